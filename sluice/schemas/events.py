@@ -1,0 +1,240 @@
+"""The events sluice publishes to the tokens topic (``sluice.tokens``) or a request's reply topic.
+
+Per request, keyed by request id so one request's events stay in order on one partition:
+
+* ``token`` events with ``seq`` = 0, 1, 2, ... carrying token ids and the text delta;
+* then exactly one terminal event with the next ``seq``: a ``final`` event (finish reason, usage,
+  timings, full text), or an ``error`` event when the request could not be served.
+
+Every event carries ``(request_id, seq)``: a request may be processed twice after a crash or a
+rebalance, and the replay produces the same events, so a consumer drops an event whose ``seq`` it
+has already seen for that request. An ``error`` event for input that could not be decoded at all has
+no ``seq`` (and no ``request_id`` when none could be read; it then goes to the dead-letter topic
+with the raw bytes in ``raw``).
+
+Unknown-field policy: event consumers IGNORE unknown fields (``extra="ignore"``) and skip events
+whose ``type`` they do not know, so adding a field or a new event type is backward compatible and
+does not change ``SCHEMA_VERSION``. For the same reason ``ErrorEvent.code`` is a plain string whose
+known values are listed in :class:`ErrorCode`: a newer producer may add codes.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+
+from .version import SCHEMA_VERSION
+
+LOGPROB_FLOOR = -9999.0
+"""Logprobs are clamped into [LOGPROB_FLOOR, 0]: -inf (which JSON cannot carry) is sent as this."""
+
+MAX_RAW_BYTES = 64 * 1024
+"""At most this many bytes of an undecodable message are copied into ``ErrorEvent.raw``."""
+
+
+class ErrorCode(StrEnum):
+    """Stable error codes. Clients may branch on them; new codes may be added."""
+
+    INVALID_JSON = "invalid_json"
+    """The message is not UTF-8 JSON."""
+    INVALID_REQUEST = "invalid_request"
+    """The JSON is not a valid request: a field is missing, unknown, of the wrong type or range."""
+    UNSUPPORTED_SCHEMA_VERSION = "unsupported_schema_version"
+    """``schema_version`` names a version this server does not speak."""
+    PROMPT_TOO_LONG = "prompt_too_long"
+    """The prompt (after the chat template) does not fit the model's context."""
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    """The request's deadline passed before it could be served."""
+    OVERLOADED = "overloaded"
+    """The request was shed because the pipeline is over capacity."""
+    INTERNAL = "internal"
+    """A bug or an unexpected failure inside sluice."""
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""``stop``: an end-of-sequence token, a stop token or a stop string; ``length``: ``max_tokens`` or
+the context length reached; ``abort``: cancelled or past its deadline while generating;
+``error``: failed while generating (the error is logged; tokens already sent stay valid)."""
+
+
+def _clamp_logprob(value: object) -> object:
+    """Clamp into [LOGPROB_FLOOR, 0]: -inf and round-off above 0 become valid numbers."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+        return min(max(float(value), LOGPROB_FLOOR), 0.0)
+    return value
+
+
+Logprob = Annotated[
+    float,
+    Field(ge=LOGPROB_FLOOR, le=0.0, allow_inf_nan=False),
+    BeforeValidator(_clamp_logprob),
+]
+
+
+def _always_sent(schema: dict[str, Any]) -> None:
+    """``schema_version`` and ``type`` have defaults in Python but are always on the wire."""
+    props = schema.get("properties", {})
+    sent = [name for name in ("schema_version", "type") if name in props]
+    if sent:
+        schema["required"] = sent + [r for r in schema.get("required", []) if r not in sent]
+
+
+class _Wire(BaseModel):
+    """Base of every event: unknown fields are ignored (forward compatible)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_always_sent)
+
+
+class TopLogprob(_Wire):
+    """One of the most likely alternatives at a position."""
+
+    token_id: int = Field(ge=0)
+    logprob: Logprob
+
+
+class TokenLogprob(_Wire):
+    """The sampled token's logprob and the top alternatives (``logprobs`` of them)."""
+
+    token_id: int = Field(ge=0)
+    logprob: Logprob
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
+class TokenEvent(_Wire):
+    """New tokens of one request: the token ids and the text they add."""
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["token"] = "token"
+    request_id: str
+    seq: int = Field(ge=0, description="0, 1, 2, ... per request, across all its events.")
+    index: int = Field(0, ge=0, description="Which completion (0 .. n-1) these tokens belong to.")
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = Field("", description="Text delta: append it to the text received so far.")
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="One entry per token id, when the request asked for logprobs."
+    )
+    session_id: str | None = None
+    metadata: dict[str, JsonValue] | None = None
+
+
+class Usage(_Wire):
+    """Token counts of one request."""
+
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(
+        0, ge=0, description="Prompt tokens whose KV cache was reused (prefix cache)."
+    )
+    completion_tokens: int = Field(ge=0, description="Generated tokens, over all completions.")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Timings(_Wire):
+    """Latencies of one request, in seconds."""
+
+    queue_s: float = Field(ge=0, description="From arrival until its first forward step.")
+    ttft_s: float | None = Field(
+        None, ge=0, description="Time to first token, from arrival; null when none was made."
+    )
+    tpot_s: float | None = Field(
+        None,
+        ge=0,
+        description="Mean time per output token after the first; null with fewer than 2 tokens.",
+    )
+    total_s: float = Field(ge=0, description="From arrival until the final event.")
+
+
+class Choice(_Wire):
+    """The outcome of one completion, when a request asked for ``n`` > 1."""
+
+    index: int = Field(ge=0)
+    text: str
+    finish_reason: FinishReason
+    stop_reason: str | int | None = None
+    completion_tokens: int = Field(ge=0)
+
+
+class FinalEvent(_Wire):
+    """The last event of a served request."""
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["final"] = "final"
+    request_id: str
+    seq: int = Field(ge=0, description="One past the last token event's seq.")
+    finish_reason: FinishReason
+    stop_reason: str | int | None = Field(
+        None, description="The stop string or stop token id that ended the text, if any."
+    )
+    usage: Usage
+    timings: Timings
+    model: str
+    text: str = Field(description="The full generated text (of completion 0 when n > 1).")
+    choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
+    session_id: str | None = None
+    metadata: dict[str, JsonValue] | None = None
+
+
+class ErrorEvent(_Wire):
+    """A request that could not be served, or input that was not a request at all."""
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["error"] = "error"
+    request_id: str | None = Field(None, description="Null when no request id could be read.")
+    seq: int | None = Field(None, ge=0)
+    code: str = Field(
+        description="Stable code: " + ", ".join(c.value for c in ErrorCode) + " (more may come)."
+    )
+    message: str = Field(description="Human-readable: names the field and the reason.")
+    field: str | None = Field(None, description="Dotted path of the offending field, if any.")
+    raw: str | None = Field(
+        None, description="Base64 of the raw message (first 64 KiB), on the dead-letter topic."
+    )
+    raw_size: int | None = Field(None, ge=0, description="Size in bytes of the raw message.")
+    session_id: str | None = None
+    metadata: dict[str, JsonValue] | None = None
+
+    @classmethod
+    def for_request(
+        cls,
+        request: object,
+        code: str,
+        message: str,
+        *,
+        field: str | None = None,
+        seq: int | None = None,
+    ) -> ErrorEvent:
+        """An error about a decoded request, echoing its request id, session id and metadata."""
+        return cls(
+            request_id=getattr(request, "request_id", None),
+            session_id=getattr(request, "session_id", None),
+            metadata=getattr(request, "metadata", None),
+            code=str(code),
+            message=message,
+            field=field,
+            seq=seq,
+        )
+
+    def with_raw(self, raw: bytes, limit: int = MAX_RAW_BYTES) -> ErrorEvent:
+        """A copy carrying (the first ``limit`` bytes of) ``raw`` in base64."""
+        return self.model_copy(
+            update={
+                "raw": base64.b64encode(bytes(raw[:limit])).decode("ascii"),
+                "raw_size": len(raw),
+            }
+        )
+
+    def raw_bytes(self) -> bytes | None:
+        """The raw message bytes carried in ``raw`` (possibly truncated; see ``raw_size``)."""
+        return None if self.raw is None else base64.b64decode(self.raw)
+
+
+OutputEvent = Annotated[Union[TokenEvent, FinalEvent, ErrorEvent], Field(discriminator="type")]
+"""Any event on the tokens topic, told apart by ``type``."""
+
+EVENT_TYPES: tuple[str, ...] = ("token", "final", "error")

@@ -1,0 +1,304 @@
+"""Bytes on a topic to messages and back.
+
+``decode_request`` turns the bytes of one Kafka message into a :class:`GenerateRequest`, or raises
+:class:`RequestRejected` carrying a ready-made :class:`ErrorEvent` to publish: bad input never
+stops a partition, it becomes an error event.
+
+* bytes that are not UTF-8, or not JSON (NaN and Infinity are not JSON) -> ``invalid_json``;
+* a JSON value that is not an object -> ``invalid_request``;
+* ``schema_version`` an integer other than a supported one -> ``unsupported_schema_version``;
+* any other validation failure (missing, unknown, mistyped or out-of-range field) ->
+  ``invalid_request``, with a message such as ``"max_tokens: must be >= 1 (got 0)"`` and the
+  dotted path of the first bad field in ``field``.
+
+The error event's ``request_id`` (and ``session_id``) are filled whenever they can be read from the
+JSON, even if other fields are bad, so the error can go to the client's reply stream; when no
+request id can be read, the event carries the raw bytes (base64) for the dead-letter topic.
+
+Requests are strict (unknown fields rejected); events are lenient (unknown fields ignored, unknown
+event types reported by :class:`UnknownEventType` so a consumer can skip them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from .events import EVENT_TYPES, ErrorCode, ErrorEvent, OutputEvent
+from .request import GenerateRequest, _request_id, _session_id, _topic
+from .version import SCHEMA_VERSION, SUPPORTED_VERSIONS
+
+MAX_ERRORS_IN_MESSAGE = 5
+_GOT_LIMIT = 60
+
+
+class RequestRejected(ValueError):
+    """A message that is not a valid request; ``event`` is the error event to publish."""
+
+    def __init__(self, event: ErrorEvent, reply_topic: str | None = None) -> None:
+        super().__init__(f"{event.code}: {event.message}")
+        self.event = event
+        self.reply_topic = reply_topic
+        """The request's reply topic, when it could be read and is valid."""
+
+    @property
+    def code(self) -> str:
+        return self.event.code
+
+
+class UnknownEventType(ValueError):
+    """An event whose ``type`` this version does not know (a consumer should skip it)."""
+
+    def __init__(self, event_type: object) -> None:
+        super().__init__(f"unknown event type {event_type!r}")
+        self.event_type = event_type
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _no_constants(name: str) -> Any:
+    raise _NotJson(f"{name} is not valid JSON")
+
+
+def _as_bytes(raw: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(raw, str):
+        return raw.encode("utf-8", "surrogatepass")
+    return bytes(raw)
+
+
+def _load_json(data: bytes) -> Any:
+    """Parse strict JSON from UTF-8 bytes; raise ``_NotJson`` with a reason otherwise."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _NotJson(f"message is not UTF-8 (invalid byte at offset {exc.start})") from None
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except json.JSONDecodeError as exc:
+        raise _NotJson(
+            f"message is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise _NotJson("message is not JSON we accept: nested too deeply") from None
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if value is None:
+        return "null"
+    return "an object"
+
+
+def _readable(obj: dict[str, Any], key: str, check: Any) -> str | None:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        return None
+    try:
+        return check(value)
+    except ValueError:
+        return None
+
+
+def _got(value: Any) -> str:
+    if not isinstance(value, (str, int, float, bool)) and value is not None:
+        return ""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except ValueError:  # nan / inf
+        text = repr(value)
+    if len(text) > _GOT_LIMIT:
+        text = text[: _GOT_LIMIT - 1] + "…"
+    return f" (got {_utf8_safe(text)})"
+
+
+def _utf8_safe(text: str) -> str:
+    """A lone surrogate (legal in a JSON escape, not in UTF-8) is shown escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_TYPE_REASONS = {
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "int_parsing": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "string_type": "must be a string",
+    "string_unicode": "must be valid Unicode (a lone surrogate escape is not)",
+    "bool_type": "must be true or false",
+    "list_type": "must be an array",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "finite_number": "must be a finite number",
+    "missing": "field required",
+}
+
+
+def _reason(err: dict[str, Any]) -> str:
+    """The reason of one pydantic error, in the words of the wire format."""
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind in _TYPE_REASONS:
+        return _TYPE_REASONS[kind]
+    if kind == "extra_forbidden":
+        name = _utf8_safe(str(err["loc"][-1])) if err["loc"] else ""
+        known = _known_fields(err["loc"][:-1])
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"unknown field (not in schema version {SCHEMA_VERSION}){hint}"
+    if kind == "greater_than_equal":
+        return f"must be >= {ctx['ge']}"
+    if kind == "greater_than":
+        return f"must be > {ctx['gt']}"
+    if kind == "less_than_equal":
+        return f"must be <= {ctx['le']}"
+    if kind == "less_than":
+        return f"must be < {ctx['lt']}"
+    if kind == "string_too_short":
+        n = ctx.get("min_length", 1)
+        return "must not be empty" if n == 1 else f"must be at least {n} characters"
+    if kind == "string_too_long":
+        return f"must be at most {ctx['max_length']} characters"
+    if kind == "too_short":
+        n = ctx.get("min_length", 1)
+        return "must not be empty" if n == 1 else f"must have at least {n} items"
+    if kind == "too_long":
+        return f"must have at most {ctx['max_length']} items"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}"
+    msg = str(err.get("msg", kind))
+    return msg[:1].lower() + msg[1:]
+
+
+def _known_fields(parent: tuple[Any, ...]) -> list[str]:
+    """Field names of the model at ``parent`` (for 'did you mean' hints)."""
+    if not parent:
+        return list(GenerateRequest.model_fields)
+    if parent[0] == "messages":
+        return ["role", "content"]
+    return []
+
+
+def _field_of(err: dict[str, Any]) -> str | None:
+    path = ".".join(str(p) for p in err["loc"])
+    if path:
+        return _utf8_safe(path)
+    return (err.get("ctx") or {}).get("field")
+
+
+def _error_from_validation(exc: ValidationError, request_id: str | None) -> ErrorEvent:
+    errors = exc.errors(include_url=False)
+    code = ErrorCode.INVALID_REQUEST
+    parts = []
+    for err in errors[:MAX_ERRORS_IN_MESSAGE]:
+        if err["type"] == "unsupported_schema_version":
+            code = ErrorCode.UNSUPPORTED_SCHEMA_VERSION
+        field = _field_of(err)
+        got = "" if err["type"] in ("missing", "extra_forbidden") else _got(err.get("input"))
+        prefix = f"{field}: " if field else ""
+        parts.append(f"{prefix}{_reason(err)}{got}")
+    if len(errors) > MAX_ERRORS_IN_MESSAGE:
+        parts.append(f"and {len(errors) - MAX_ERRORS_IN_MESSAGE} more")
+    return ErrorEvent(
+        request_id=request_id,
+        code=code,
+        message="; ".join(parts),
+        field=_field_of(errors[0]) if errors else None,
+    )
+
+
+def _reject(
+    data: bytes,
+    code: ErrorCode,
+    message: str,
+    *,
+    field: str | None = None,
+    obj: dict[str, Any] | None = None,
+) -> RequestRejected:
+    request_id = session_id = reply_topic = None
+    if obj is not None:
+        request_id = _readable(obj, "request_id", _request_id)
+        session_id = _readable(obj, "session_id", _session_id)
+        reply_topic = _readable(obj, "reply_topic", _topic)
+    event = ErrorEvent(
+        request_id=request_id, session_id=session_id, code=code, message=message, field=field
+    )
+    return _finish(event, data, reply_topic)
+
+
+def _finish(event: ErrorEvent, data: bytes, reply_topic: str | None) -> RequestRejected:
+    if event.request_id is None:  # goes to the dead-letter topic: keep the evidence
+        event = event.with_raw(data)
+    return RequestRejected(event, reply_topic)
+
+
+def decode_request(raw: bytes | bytearray | memoryview | str) -> GenerateRequest:
+    """Decode one message of the requests topic; raise :class:`RequestRejected` if it is bad."""
+    data = _as_bytes(raw)
+    try:
+        obj = _load_json(data)
+    except _NotJson as exc:
+        raise _reject(data, ErrorCode.INVALID_JSON, str(exc)) from None
+    if not isinstance(obj, dict):
+        raise _reject(
+            data,
+            ErrorCode.INVALID_REQUEST,
+            f"a request must be a JSON object, not {_json_kind(obj)}",
+        )
+    version = obj.get("schema_version", SCHEMA_VERSION)
+    if isinstance(version, int) and not isinstance(version, bool) and (
+        version not in SUPPORTED_VERSIONS
+    ):
+        supported = ", ".join(map(str, sorted(SUPPORTED_VERSIONS)))
+        raise _reject(
+            data,
+            ErrorCode.UNSUPPORTED_SCHEMA_VERSION,
+            f"schema_version: unsupported version {version}; this server speaks {supported}",
+            field="schema_version",
+            obj=obj,
+        )
+    try:
+        return GenerateRequest.model_validate(obj)
+    except ValidationError as exc:
+        rejected = _reject(data, ErrorCode.INVALID_REQUEST, "", obj=obj)
+        detail = _error_from_validation(exc, rejected.event.request_id)
+        event = rejected.event.model_copy(
+            update={"code": detail.code, "message": detail.message, "field": detail.field}
+        )
+        raise RequestRejected(event, rejected.reply_topic) from None
+
+
+_EVENT_ADAPTER: TypeAdapter[Any] = TypeAdapter(OutputEvent)
+
+
+def decode_event(raw: bytes | bytearray | memoryview | str) -> OutputEvent:
+    """Decode one message of the tokens topic. Unknown fields are ignored; an unknown ``type``
+    raises :class:`UnknownEventType`; anything else invalid raises ``ValueError``."""
+    data = _as_bytes(raw)
+    try:
+        obj = _load_json(data)
+    except _NotJson as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"an event must be a JSON object, not {_json_kind(obj)}")
+    if obj.get("type") not in EVENT_TYPES:
+        raise UnknownEventType(obj.get("type"))
+    return _EVENT_ADAPTER.validate_python(obj)
+
+
+def encode(message: BaseModel) -> bytes:
+    """Serialize a request or an event to compact UTF-8 JSON; fields that are null are left out
+    (an absent field and ``null`` mean the same on the wire)."""
+    return message.model_dump_json(exclude_none=True).encode("utf-8")
