@@ -1,0 +1,191 @@
+"""Sessions in Redis: what a conversation said so far, and which runner holds its KV cache.
+
+One JSON string per tenant and session at ``sluice:session:{tenant}:{session}``, written with its
+TTL in one `SET ... EX` so a record never lives without an expiry. Every update refreshes the TTL;
+reads do not (a turn reads at its start and updates at its end).
+
+Redis is an optimisation here, never a dependency: without it a conversation's next turn is
+prefilled from scratch instead of reusing its cached prefix. So when Redis is unreachable no
+method raises: reads return None, writes do nothing, `available` turns False and one warning is
+logged per outage. Short socket timeouts keep a dead Redis from stalling the pipeline, and while
+it is down only one call every `probe_interval` seconds tries it; the others return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from sluice.connectors.settings import redis_url
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+KEY_PREFIX = "sluice:session"
+DEFAULT_TTL_S = 3600
+DEFAULT_SOCKET_TIMEOUT_S = 0.5
+DEFAULT_PROBE_INTERVAL_S = 5.0
+# Requests without a tenant share this one; tenant ids are never empty, so it cannot collide.
+NO_TENANT = ""
+
+
+class SessionRecord(BaseModel):
+    """A conversation as of its last finished turn.
+
+    `messages` are the chat messages so far (``{"role": ..., "content": ...}``), assistant replies
+    included; `token_ids` the full conversation as the model saw it, prompt and generated tokens,
+    which is what the next turn's prefix match runs on. `owner` is the runner holding its KV
+    blocks; `model` the model those token ids belong to (a different model cannot reuse them).
+    """
+
+    model_config = ConfigDict(extra="ignore")  # records written by newer versions stay readable
+
+    tenant: str = NO_TENANT
+    session_id: str
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    owner: str | None = None
+    model: str | None = None
+    turns: int = 0
+    last_used: float = 0.0  # unix time of the last update
+
+    @field_validator("tenant", mode="before")
+    @classmethod
+    def _no_tenant(cls, value: Any) -> Any:
+        return NO_TENANT if value is None else value
+
+
+def session_key(tenant: str | None, session_id: str) -> str:
+    """The Redis key of a session; ':' and '%' in ids are escaped so keys cannot collide."""
+    return f"{KEY_PREFIX}:{_escape(tenant or NO_TENANT)}:{_escape(session_id)}"
+
+
+def _escape(part: str) -> str:
+    return part.replace("%", "%25").replace(":", "%3A")
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for log lines."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+
+
+class SessionStore:
+    """Session records in Redis that degrade to "no sessions" while Redis is unreachable."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        ttl_s: int = DEFAULT_TTL_S,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT_S,
+        probe_interval: float = DEFAULT_PROBE_INTERVAL_S,
+    ) -> None:
+        self.url = url = url or redis_url()
+        self.ttl_s = ttl_s
+        self.socket_timeout = socket_timeout
+        self.probe_interval = probe_interval
+        self._client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            # One immediate retry on a broken connection (a pooled one from before a Redis
+            # restart); none on timeouts, which would only double the stall.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            retry_on_timeout=False,
+        )
+        self.available = True
+        self._down_since: float | None = None
+        self._next_probe = 0.0
+        # Counters for metrics.
+        self.failures = 0  # calls that failed because Redis was unreachable or too slow
+        self.skipped = 0  # calls not tried because Redis was down and no probe was due
+        self.errors = 0  # calls Redis answered with an error, or records that did not parse
+        self.outages = 0
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> SessionStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def check(self) -> bool:
+        """Ping Redis (subject to the probe back-off); True when it answered."""
+        return bool(await self._call("ping", lambda r: r.ping(), False))
+
+    async def get(self, tenant: str | None, session_id: str) -> SessionRecord | None:
+        """The session's record; None when there is none, or Redis is unreachable."""
+        raw = await self._call("get", lambda r: r.get(session_key(tenant, session_id)), None)
+        if raw is None:
+            return None
+        try:
+            return SessionRecord.model_validate_json(raw)
+        except ValidationError as exc:
+            self.errors += 1
+            log.warning("session %s of tenant %r has an unreadable record, ignoring it: %s",
+                        session_id, tenant, exc.errors()[:1])
+            return None
+
+    async def update(self, record: SessionRecord) -> bool:
+        """Write `record` (stamping `last_used`) and refresh its TTL; False when not written."""
+        record.last_used = time.time()
+        key = session_key(record.tenant, record.session_id)
+        payload = record.model_dump_json()
+        return bool(await self._call("update", lambda r: r.set(key, payload, ex=self.ttl_s), False))
+
+    async def delete(self, tenant: str | None, session_id: str) -> bool:
+        """Remove the session; True when a record was removed."""
+        removed = await self._call("delete", lambda r: r.delete(session_key(tenant, session_id)), 0)
+        return bool(removed)
+
+    async def _call(self, what: str, op: Callable[[aioredis.Redis], Awaitable[T]], default: T) -> T:
+        if not self.available and time.monotonic() < self._next_probe:
+            self.skipped += 1
+            return default
+        try:
+            # The socket timeouts bound each read and connect; this bounds the whole call
+            # (name resolution, the retry) so nothing can hold a turn up for long.
+            result = await asyncio.wait_for(op(self._client), self.socket_timeout * 4)
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
+            self._went_down(exc)
+            return default
+        except RedisError as exc:
+            self.errors += 1
+            log.warning("Redis %s failed: %s", what, exc)
+            return default
+        if not self.available:
+            self.available = True
+            log.warning("Redis at %s is reachable again after %.0fs: sessions reuse the prefix "
+                        "cache again", redact(self.url), time.monotonic() - (self._down_since or 0))
+            self._down_since = None
+        return result
+
+    def _went_down(self, exc: BaseException) -> None:
+        self.failures += 1
+        self._next_probe = time.monotonic() + self.probe_interval
+        if self.available:
+            self.available = False
+            self.outages += 1
+            self._down_since = time.monotonic()
+            log.warning("Redis unreachable at %s (%s): sessions will not reuse the prefix cache "
+                        "until it returns", redact(self.url), exc.__class__.__name__)

@@ -1,0 +1,194 @@
+"""The session store against real Redis, and its degraded mode when Redis is gone or silent."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+import redis.asyncio as aioredis
+
+from sluice.connectors.sessions import SessionRecord, SessionStore, redact, session_key
+
+pytestmark = pytest.mark.integration
+
+OUTAGE_LINE = "sessions will not reuse the prefix cache until it returns"
+RECOVERY_LINE = "is reachable again"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record(**changes) -> SessionRecord:
+    base = dict(tenant="acme", session_id=f"s-{uuid.uuid4().hex[:8]}",
+                messages=[{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello!"}],
+                token_ids=[1, 2, 3, 4, 5], owner="runner-0", model="smollm2", turns=1)
+    return SessionRecord(**{**base, **changes})
+
+
+async def test_record_round_trip_with_ttl_set_and_refreshed(redis_url):
+    raw = aioredis.Redis.from_url(redis_url)
+    async with SessionStore(redis_url, ttl_s=60) as store:
+        rec = record()
+        key = session_key(rec.tenant, rec.session_id)
+        try:
+            assert await store.get(rec.tenant, rec.session_id) is None
+            before = time.time()
+            assert await store.update(rec)
+            got = await store.get("acme", rec.session_id)
+            assert got == rec and got.last_used >= before
+            assert 55 <= await raw.ttl(key) <= 60
+
+            # Another turn: the record grows and the TTL starts over.
+            await raw.expire(key, 5)
+            got.messages += [{"role": "user", "content": "and then?"}]
+            got.token_ids += [6, 7]
+            got.turns, got.owner = 2, "runner-1"
+            assert await store.update(got)
+            assert 55 <= await raw.ttl(key) <= 60
+            again = await store.get("acme", rec.session_id)
+            assert again.turns == 2 and again.owner == "runner-1"
+            assert again.token_ids == [1, 2, 3, 4, 5, 6, 7] and len(again.messages) == 3
+
+            # Tenants are kept apart, and a session without tenant is its own namespace.
+            assert await store.get("other", rec.session_id) is None
+            assert await store.get(None, rec.session_id) is None
+
+            assert await store.delete("acme", rec.session_id)
+            assert await store.get("acme", rec.session_id) is None
+            assert not await store.delete("acme", rec.session_id)
+            assert store.available and store.failures == 0
+        finally:
+            await raw.delete(key)
+            await raw.aclose()
+
+
+async def test_keys_escape_separators_and_unreadable_records_are_ignored(redis_url):
+    assert session_key("a:b", "c") != session_key("a", "b:c")
+    assert session_key(None, "s") == "sluice:session::s"
+    raw = aioredis.Redis.from_url(redis_url)
+    async with SessionStore(redis_url) as store:
+        key = session_key("acme", "broken")
+        try:
+            await raw.set(key, b"{not json", ex=60)
+            assert await store.get("acme", "broken") is None
+            assert store.errors == 1 and store.available
+        finally:
+            await raw.delete(key)
+            await raw.aclose()
+
+
+async def test_redis_down_get_returns_none_update_no_ops_fast_and_logs_once(caplog):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    async with SessionStore(url, probe_interval=60) as store:
+        with caplog.at_level(logging.WARNING, logger="sluice.connectors.sessions"):
+            started = time.monotonic()
+            assert await store.get("acme", "s1") is None
+            assert not store.available and store.failures == 1
+            for _ in range(20):  # in the back-off window: not even tried
+                assert await store.get("acme", "s1") is None
+                assert await store.update(record()) is False
+                assert await store.delete("acme", "s1") is False
+            elapsed = time.monotonic() - started
+        assert elapsed < 1.5
+        assert store.failures == 1 and store.skipped == 60 and store.outages == 1
+        assert caplog.text.count(OUTAGE_LINE) == 1
+        assert f"Redis unreachable at {url}" in caplog.text
+
+
+async def test_silent_redis_times_out_within_the_socket_timeout():
+    # A server that accepts connections and never answers: the worst case for a client.
+    clients: list[asyncio.StreamWriter] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        clients.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with SessionStore(f"redis://127.0.0.1:{port}/0", socket_timeout=0.3) as store:
+            started = time.monotonic()
+            assert await store.get("acme", "s1") is None
+            assert await store.update(record()) is False  # skipped: in the back-off window
+            assert time.monotonic() - started < 1.5
+            assert not store.available and store.failures == 1 and store.skipped == 1
+    finally:
+        for writer in clients:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+class Forwarder:
+    """A TCP relay in front of the real Redis that can be cut and restored (an outage)."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = free_port()
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def up(self) -> None:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def down(self) -> None:
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+    async def _relay(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src, dst) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_outage_and_recovery_are_logged_once_each(redis_url, caplog):
+    target = urlsplit(redis_url)
+    relay = Forwarder(target.hostname, target.port or 6379)
+    await relay.up()
+    rec = record()
+    store = SessionStore(f"redis://127.0.0.1:{relay.port}{target.path or '/0'}", probe_interval=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sluice.connectors.sessions"):
+            assert await store.update(rec)
+            await relay.down()
+            assert await store.get(rec.tenant, rec.session_id) is None
+            assert not store.available
+            await relay.up()
+            assert await store.get(rec.tenant, rec.session_id) is None  # before the next probe
+            await asyncio.sleep(0.4)
+            got = await store.get(rec.tenant, rec.session_id)
+            assert got is not None and got.token_ids == rec.token_ids
+            assert store.available and store.outages == 1
+        assert caplog.text.count(OUTAGE_LINE) == 1
+        assert caplog.text.count(RECOVERY_LINE) == 1
+    finally:
+        await store.delete(rec.tenant, rec.session_id)
+        await store.close()
+        await relay.down()
+
+
+def test_redact_hides_the_password():
+    assert redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
+    assert redact("redis://:secret@host/0") == "redis://:***@host/0"
+    assert redact("redis://host:6379/0") == "redis://host:6379/0"
