@@ -101,10 +101,7 @@ def test_sampling_kwargs_mirror_the_sampling_fields():
 
 
 def test_sampling_kwargs_build_the_engines_sampling_params():
-    try:
-        from sluice.engine.sampling_params import SamplingParams
-    except ImportError:  # pragma: no cover - the engine is built in parallel
-        pytest.skip("sluice.engine.sampling_params not available")
+    from sluice.engine.sampling_params import SamplingParams
     req = decode_request(b'{"prompt": "x", "temperature": 0, "top_k": 5, "stop": ["a"], '
                          b'"n": 2, "logprobs": 3, "seed": 1, "skip_special_tokens": false}')
     params = SamplingParams(**req.sampling_kwargs())

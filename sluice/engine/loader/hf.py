@@ -1,0 +1,91 @@
+"""HF model directories: config.json + model.safetensors (or shards listed in model.safetensors.index.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import EngineError
+from ..model import check_tensors, expected_shapes
+
+
+def read_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    try:
+        d = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EngineError(f"{cfg_file}: cannot read: {e}", field="config.json") from e
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():  # generation_config may add end-of-turn ids to config.json's eos
+        try:
+            gen = json.loads(gen_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            gen = {}
+        ids = [x for x in (d.get("eos_token_id"), gen.get("eos_token_id")) if x is not None]
+        merged = []
+        for x in ids:
+            merged += x if isinstance(x, list) else [x]
+        if merged:
+            d = {**d, "eos_token_id": list(dict.fromkeys(merged))}
+    return ModelConfig.from_hf_dict(d, source=str(cfg_file))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise EngineError(f"{index}: cannot read weight_map: {e}", field="weight_map") from e
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise EngineError(f"{index}: shard {f.name!r} listed in weight_map does not exist", field="weight_map")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    hint = " (pytorch_model.bin is not supported; convert to safetensors)" if (path / "pytorch_model.bin").exists() else ""
+    raise EngineError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}", field="model.safetensors")
+
+
+def load_tensors(path: Path, config: ModelConfig, dtype: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """HF-named tensors the model needs (others skipped) and the file each came from."""
+    from safetensors import safe_open
+
+    wanted = expected_shapes(config)
+    target = torch.float32 if dtype is None else dtype
+    tensors, origin = {}, {}
+    for f in _weight_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    if name in wanted:
+                        tensors[name] = sf.get_tensor(name).to(target)
+                        origin[name] = str(f)
+        except EngineError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise EngineError(f"{f}: cannot read safetensors: {e}", field=f.name) from e
+    return tensors, origin
+
+
+def load_hf_dir(path: Path, dtype: Any = None, load_tokenizer: bool = True):
+    from . import LoadedModel
+    from ..model import _to_dtype
+
+    config = read_config(path)
+    tensors, origin = load_tensors(path, config, None if dtype is None else _to_dtype(dtype))
+    check_tensors(config, tensors, str(path), origin)
+    tokenizer = None
+    if load_tokenizer:
+        from ..tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(path)
+    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, source=str(path))

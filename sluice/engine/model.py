@@ -1,0 +1,186 @@
+"""Llama / Mistral / Qwen2 decoder in plain torch, run over a flat batch of tokens.
+
+Shapes: T tokens in the flat batch, H hidden size, Hq/Hkv query/KV heads of size D.
+At load time q/k/v become one [Hq*D + 2*Hkv*D, H] matrix and gate/up one [2*I, H] matrix, so a
+layer does four matmuls. Norms follow HF's RMSNorm exactly (float32 statistics, cast back, then
+scale) so float32 logits match transformers to ~1e-6.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention, write_kv
+from .config import ModelConfig
+from .errors import EngineError
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor]):
+        super().__init__()
+        c = config
+        self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_size, self.kv_size = c.q_size, c.kv_size
+        self.scale = c.head_dim**-0.5
+        self.input_norm = RMSNorm(w["input_layernorm.weight"], c.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(w["post_attention_layernorm.weight"], c.rms_norm_eps)
+        a = "self_attn."
+        self.qkv_weight = _param(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]))
+        self.qkv_bias = None
+        if c.attention_bias:
+            self.qkv_bias = _param(torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))
+        self.o_weight = _param(w[a + "o_proj.weight"])
+        self.o_bias = _param(w.get(a + "o_proj.bias")) if c.o_proj_bias else None
+        self.gate_up_weight = _param(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
+        self.down_weight = _param(w["mlp.down_proj.weight"])
+        self.inter = c.intermediate_size
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        t = x.shape[0]
+        h = self.input_norm(x)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.hq, self.d), cos, sin)
+        k = apply_rotary(k.view(t, self.hkv, self.d), cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta.slot_mapping)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+        h = self.post_attn_norm(x)
+        gate, up = F.linear(h, self.gate_up_weight).split([self.inter, self.inter], dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names the model needs, with their shapes."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (c.q_size, h),
+                p + "self_attn.k_proj.weight": (c.kv_size, h),
+                p + "self_attn.v_proj.weight": (c.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, c.q_size),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
+        if c.attention_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (c.q_size,),
+                    p + "self_attn.k_proj.bias": (c.kv_size,),
+                    p + "self_attn.v_proj.bias": (c.kv_size,),
+                }
+            )
+        if c.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    return shapes
+
+
+def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str, origin: dict[str, str] | None = None) -> None:
+    """Raise EngineError naming the file and tensor when one is missing or has the wrong shape.
+
+    origin maps a tensor name to the file it was read from (default: `source`)."""
+    origin = origin or {}
+    for name, shape in expected_shapes(config).items():
+        t = tensors.get(name)
+        if t is None:
+            raise EngineError(f"{source}: missing tensor {name!r} (expected shape {list(shape)})", field=name)
+        if tuple(t.shape) != shape:
+            raise EngineError(
+                f"{origin.get(name, source)}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}",
+                field=name,
+            )
+
+
+def _to_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    from .config import EngineConfig
+
+    return EngineConfig(dtype=dtype).torch_dtype
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer], embed, norm, lm_head, device):
+        super().__init__()
+        self.config = config
+        self.embed_weight = _param(embed)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head_weight = self.embed_weight if lm_head is None else _param(lm_head)
+        self.rotary = RotaryEmbedding(config, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", source: str = "state dict") -> "CausalLM":
+        """Build from HF-named tensors (they are cast and moved; the dict itself is not changed)."""
+        dtype = _to_dtype(dtype)
+        check_tensors(config, tensors, source)
+
+        def get(name):
+            return tensors[name].to(device=device, dtype=dtype)
+
+        layers = []
+        for n in range(config.num_hidden_layers):
+            prefix = f"model.layers.{n}."
+            w = {k[len(prefix):]: get(k) for k in tensors if k.startswith(prefix)}
+            layers.append(DecoderLayer(config, w))
+        embed = get("model.embed_tokens.weight")
+        lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
+        norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
+        return cls(config, layers, embed, norm, lm_head, device).eval()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        """input_ids, positions [T] -> final-norm hidden states [T, H]."""
+        x = F.embedding(input_ids, self.embed_weight)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32.
+
+        The matmul runs in the model dtype (bf16 matmuls accumulate in float32 and round once at
+        the end) and is then upcast, as vLLM and transformers do, rather than keeping a float32
+        copy of the vocabulary matrix."""
+        return F.linear(hidden, self.lm_head_weight).float()

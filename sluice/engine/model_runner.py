@@ -1,0 +1,116 @@
+"""Turns a ScheduledBatch into tensors, runs one forward over the flat batch, returns logits.
+
+It owns the paged KV cache: per layer a K and a V tensor of [num_blocks, block_size, Hkv, D].
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .attention import build_metadata
+from .config import EngineConfig, ModelConfig
+from .errors import EngineError
+from .model import CausalLM
+
+# CPU default KV budget when EngineConfig.kv_cache_bytes is None: a fifth of the memory the OS
+# reports available, kept between 256 MiB and 4 GiB (SmolLM2 in float32 needs 45 KiB per token,
+# so 4 GiB holds ~93k tokens; weights and activations need the rest of the memory).
+CPU_KV_FRACTION = 0.2
+CPU_KV_MIN_BYTES = 256 << 20
+CPU_KV_MAX_BYTES = 4 << 30
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_cache_budget(engine_config: EngineConfig) -> int:
+    """Bytes for K+V of all layers: the configured budget, else a device-dependent default.
+
+    CUDA: what is left when this process may use `gpu_memory_fraction` of the whole device and
+    the weights are already loaded (vLLM's gpu_memory_utilization rule)."""
+    if engine_config.kv_cache_bytes is not None:
+        return int(engine_config.kv_cache_bytes)
+    device = torch.device(engine_config.device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free - total * (1.0 - engine_config.gpu_memory_fraction))
+    return int(min(CPU_KV_MAX_BYTES, max(CPU_KV_MIN_BYTES, CPU_KV_FRACTION * _available_ram())))
+
+
+def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
+    """Number of KV blocks that fit the budget (never more than max_num_seqs full-length seqs need)."""
+    dtype_bytes = torch.empty(0, dtype=engine_config.torch_dtype).element_size()
+    per_block = model_config.kv_bytes_per_token(dtype_bytes) * engine_config.block_size
+    budget = kv_cache_budget(engine_config)
+    n = budget // per_block
+    max_len = engine_config.max_model_len or model_config.max_position_embeddings
+    n = min(n, engine_config.max_num_seqs * math.ceil(max_len / engine_config.block_size))
+    if n < 1:
+        raise EngineError(
+            f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)",
+            field="kv_cache_bytes",
+        )
+    return int(n)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, config: ModelConfig, engine_config: EngineConfig, num_blocks: int):
+        self.model = model
+        self.config = config
+        self.engine_config = engine_config
+        self.block_size = engine_config.block_size
+        self.num_blocks = num_blocks
+        self.device = model.device
+        shape = (num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer (copy-on-write of a shared last block)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, batch) -> torch.Tensor:
+        """Run the batch's new tokens (after its block copies); float32 logits [num sampled seqs, V],
+        rows in the order of the seqs with sample=True."""
+        self.copy_blocks(getattr(batch, "block_copies", None) or [])
+        ids: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start : start + n]
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table[: -(-(start + n) // self.block_size)])
+        if not ids:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        meta = build_metadata(query_lens, seq_lens, tables, self.block_size, self.device, self.config.sliding_window)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
+        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+
+        last, offset = [], 0
+        for n, s in zip(query_lens, batch.sample):
+            offset += n
+            if s:
+                last.append(offset - 1)
+        if not last:
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, torch.tensor(last, device=self.device)))

@@ -1,0 +1,142 @@
+"""One sequence being generated: its tokens, how many of them are in the KV cache, and its blocks.
+
+A request is just `num_computed_tokens` catching up with `len(token_ids)`: a prefill is a step that
+computes many tokens of a sequence, a decode one that computes the single token sampled last step.
+After a preemption `num_computed_tokens` drops to 0 and the same mechanism recomputes prompt and
+output alike. A request with n > 1 samples becomes n sequences (see `fork`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"    # in the scheduler's waiting queue, holds no blocks
+    RUNNING = "running"    # holds blocks; scheduled every step it fits in the budget
+    FINISHED = "finished"  # blocks freed (they stay in the prefix cache); never scheduled again
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Prompt plus generated tokens of one sample, and its place in the paged KV cache.
+
+    The engine owns `token_ids` growth (`append_token`); the scheduler and block manager own
+    `num_computed_tokens`, `num_cached_tokens`, `block_table`, `status` and the bookkeeping below.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int = 16,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        seq_id: int | None = None,
+        sampling_params: Any = None,
+    ):
+        self.seq_id: int = next(_seq_ids) if seq_id is None else seq_id
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served by the prefix cache the first time the seq got blocks (for usage).
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.status = SequenceStatus.WAITING
+        self.max_tokens = max_tokens
+        # Opaque to the scheduler: the engine keeps the request's SamplingParams here.
+        self.sampling_params = sampling_params
+        self.finish_reason: str | None = None  # set by whoever finishes it ("stop", "length", "abort")
+        # Block-manager bookkeeping. Hashes depend only on tokens and salt, so they survive
+        # preemption; `num_committed_blocks` counts leading blocks registered in the prefix cache.
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        self.got_first_blocks = False  # num_cached_tokens is set once, at the first allocation
+
+    # --- sizes ------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def max_len(self) -> int:
+        """Longest the sequence may grow (prompt + max_tokens); the engine also caps it at max_model_len."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    # --- state ------------------------------------------------------------------------------
+    @property
+    def is_prefill_done(self) -> bool:
+        """True once every prompt token is in the KV cache (after a preemption it turns False again)."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Exactly one sampled token is waiting to be computed."""
+        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(int(token_id))
+
+    def fork(self, request_id: str, num_tokens: int | None = None, seq_id: int | None = None) -> Sequence:
+        """A new sequence with this one's first `num_tokens` tokens (default: all) and settings.
+
+        For n > 1 samples: after the parent's prefill step, fork each child at the prompt length,
+        append the child's own first sample, then hand it to `BatchScheduler.fork`.
+        """
+        n = len(self.token_ids) if num_tokens is None else num_tokens
+        if not self.num_prompt_tokens <= n <= len(self.token_ids):
+            raise ValueError(f"fork at {n} tokens: must keep the prompt and not exceed {len(self.token_ids)}")
+        child = Sequence(
+            request_id,
+            self.token_ids[:n],
+            max_tokens=self.max_tokens,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            cache_salt=self.cache_salt,
+            seq_id=seq_id,
+            sampling_params=self.sampling_params,
+        )
+        child.num_prompt_tokens = self.num_prompt_tokens
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.name}, "
+            f"tokens={self.num_tokens} (prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
+            f"blocks={self.block_table})"
+        )

@@ -1,0 +1,38 @@
+"""`sluice generate` as a user runs it, with the default model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def sluice(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_json_lines_one_per_prompt_in_order():
+    prompts = ["The capital of France is", "Count: one, two,"]
+    result = sluice("generate", "--json", "--max-tokens", "6", "--ignore-eos", "--kv-cache-mb", "64", *prompts)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == prompts
+    for r in records:
+        assert len(r["token_ids"]) == 6 and r["finish_reason"] == "length" and r["text"]
+        assert r["usage"]["completion_tokens"] == 6 and r["usage"]["prompt_tokens"] > 0
+        assert r["usage"]["cached_tokens"] == 0
+    assert "engine ready" in result.stderr  # the log says what was configured
+
+
+def test_chat_stream_prints_the_answer():
+    result = sluice("generate", "--chat", "--max-tokens", "12", "--kv-cache-mb", "64", "Say hello.")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "<|im_" not in result.stdout
+
+
+def test_bad_parameter_is_named_before_the_model_loads():
+    result = sluice("generate", "--top-p", "1.5", "hello")
+    assert result.returncode == 2
+    assert "top_p" in result.stderr and "(0, 1]" in result.stderr
+    assert "engine ready" not in result.stderr

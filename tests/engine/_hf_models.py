@@ -1,0 +1,130 @@
+"""Shared helpers of the model tests: tiny random-weight HF models and a driver that runs prompts
+through our model in several flat batches over a paged cache."""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from sluice.engine.attention import build_metadata
+from sluice.engine.model import CausalLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=101,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Weights large enough that attention is far from uniform and rotary matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5 * 1.5))
+
+
+def build(kind: str, **overrides):
+    """An eval-mode float32 transformers model of the given family."""
+    import transformers as tf
+
+    kw = {**TINY, **overrides}
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**kw)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**kw)
+        model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**kw)
+        model = tf.MistralForCausalLM(cfg)
+    else:
+        raise ValueError(kind)
+    randomize(model)
+    return model.float().eval()
+
+
+LENGTHS = [1, 2, 5, 9, 17, 30]
+BLOCK = 4
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def hf_logits(hf, prompts):
+    with torch.no_grad():
+        return [hf(torch.tensor([p])).logits[0].float() for p in prompts]
+
+
+def make_prompts(vocab, lengths=LENGTHS, seed=0):
+    g = random.Random(seed)
+    return [[g.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def shuffled_tables(lengths, num_blocks, seed=0):
+    """Non-contiguous block tables that skip some blocks (block 0 is never used)."""
+    g = random.Random(seed)
+    free = list(range(1, num_blocks))
+    g.shuffle(free)
+    free = free[::2] + free[1::2]  # not sorted, with gaps between a seq's blocks
+    tables = []
+    for n in lengths:
+        k = math.ceil(n / BLOCK)
+        tables.append(free[:k])
+        free = free[k:]
+    return tables
+
+
+def garbage_caches(config, num_blocks, dtype=torch.float32):
+    shape = (num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(shape, generator=g).to(dtype) * 50, torch.randn(shape, generator=g).to(dtype) * 50) for _ in range(config.num_hidden_layers)]
+
+
+def step_plan(lengths):
+    """Per step, per prompt: how many new tokens (chunk 1 ~ 40%, the rest but one, then one)."""
+    plans = []
+    for n in lengths:
+        first = max(1, (2 * n) // 5)
+        second = max(0, n - first - 1)
+        third = n - first - second
+        plans.append([first, second, third])
+    return [[p[s] for p in plans] for s in range(3)]
+
+
+def run_in_steps(model: CausalLM, prompts, tables, caches, sliding_window=None):
+    """Logits for every prompt position, computed over three flat batches through the cache."""
+    done = [0] * len(prompts)
+    out = [[] for _ in prompts]
+    for step in step_plan([len(p) for p in prompts]):
+        seqs = [i for i, n in enumerate(step) if n > 0]
+        # decodes first, then prefills (the scheduler's order); the model must not care anyway
+        seqs.sort(key=lambda i: step[i] != 1)
+        ids, pos = [], []
+        for i in seqs:
+            ids += prompts[i][done[i] : done[i] + step[i]]
+            pos += range(done[i], done[i] + step[i])
+        meta = build_metadata(
+            [step[i] for i in seqs],
+            [done[i] + step[i] for i in seqs],
+            [tables[i] for i in seqs],
+            BLOCK,
+            sliding_window=sliding_window,
+        )
+        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta, caches))
+        off = 0
+        for i in seqs:
+            out[i].append(logits[off : off + step[i]])
+            off += step[i]
+            done[i] += step[i]
+    return [torch.cat(o) for o in out]

@@ -1,0 +1,385 @@
+"""GGUF loading: dequantization against our own float64 decoders of the block formats, llama.cpp's
+Q/K permutation, tiny models written with gguf.GGUFWriter, and the default SmolLM2 file against
+transformers' own GGUF loader."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from sluice.engine.errors import EngineError
+from sluice.engine.loader import load_model
+from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
+from sluice.engine.model import CausalLM
+from sluice.engine.rope import RotaryEmbedding, apply_rotary
+from _hf_models import BLOCK, LENGTHS, build, garbage_caches, hf_logits, make_prompts, rel_err, run_in_steps, shuffled_tables
+
+# ---------------------------------------------------------------- reference block decoders (float64)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return b.copy().view(np.float16).astype(np.float64)[..., 0]
+
+
+def _ref_simple(blocks: np.ndarray, qtype: Q) -> np.ndarray:
+    """Decode [n, type_size] blocks of the 32-element formats into [n, 32]."""
+    n = blocks.shape[0]
+    out = np.zeros((n, 32))
+    for b in range(n):
+        blk = blocks[b]
+        if qtype == Q.Q8_0:
+            out[b] = _f16(blk[0:2]) * blk[2:34].view(np.int8)
+            continue
+        if qtype in (Q.Q4_0, Q.Q5_0):
+            d, m, rest = _f16(blk[0:2]), 0.0, blk[2:]
+        else:
+            d, m, rest = _f16(blk[0:2]), _f16(blk[2:4]), blk[4:]
+        qh = 0
+        if qtype in (Q.Q5_0, Q.Q5_1):
+            qh = int.from_bytes(rest[:4].tobytes(), "little")
+            rest = rest[4:]
+        for j in range(16):
+            lo, hi = int(rest[j] & 0x0F), int(rest[j] >> 4)
+            if qtype in (Q.Q5_0, Q.Q5_1):
+                lo |= ((qh >> j) & 1) << 4
+                hi |= ((qh >> (j + 16)) & 1) << 4
+            off = {Q.Q4_0: 8, Q.Q5_0: 16}.get(qtype, 0)
+            out[b, j] = d * (lo - off) + m
+            out[b, j + 16] = d * (hi - off) + m
+    return out
+
+
+def _scale_min_k4(j: int, s: np.ndarray) -> tuple[int, int]:
+    s = [int(x) for x in s]
+    if j < 4:
+        return s[j] & 63, s[j + 4] & 63
+    return (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
+
+
+def _ref_k(blocks: np.ndarray, qtype: Q) -> np.ndarray:
+    """Decode [n, type_size] super-blocks of Q4_K / Q5_K / Q6_K into [n, 256]."""
+    n = blocks.shape[0]
+    out = np.zeros((n, 256))
+    for b in range(n):
+        blk = blocks[b]
+        y = out[b]
+        if qtype in (Q.Q4_K, Q.Q5_K):
+            d, dmin, scales = _f16(blk[0:2]), _f16(blk[2:4]), blk[4:16]
+            qh = blk[16:48] if qtype == Q.Q5_K else None
+            qs = blk[48:176] if qtype == Q.Q5_K else blk[16:144]
+            for g in range(4):  # 64 values per group: low nibbles then high nibbles of 32 bytes
+                sc1, m1 = _scale_min_k4(2 * g, scales)
+                sc2, m2 = _scale_min_k4(2 * g + 1, scales)
+                for l in range(32):
+                    lo, hi = int(qs[32 * g + l] & 0xF), int(qs[32 * g + l] >> 4)
+                    if qh is not None:
+                        lo += 16 if qh[l] & (1 << (2 * g)) else 0
+                        hi += 16 if qh[l] & (1 << (2 * g + 1)) else 0
+                    y[64 * g + l] = d * sc1 * lo - dmin * m1
+                    y[64 * g + 32 + l] = d * sc2 * hi - dmin * m2
+        else:  # Q6_K: ql[128] qh[64] scales[16] (int8) d
+            ql, qh, sc, d = blk[0:128], blk[128:192], blk[192:208].view(np.int8), _f16(blk[208:210])
+            for h in range(2):
+                for l in range(32):
+                    is_ = l // 16
+                    a, c, hh = int(ql[64 * h + l]), int(ql[64 * h + l + 32]), int(qh[32 * h + l])
+                    q1 = ((a & 0xF) | ((hh >> 0) & 3) << 4) - 32
+                    q2 = ((c & 0xF) | ((hh >> 2) & 3) << 4) - 32
+                    q3 = ((a >> 4) | ((hh >> 4) & 3) << 4) - 32
+                    q4 = ((c >> 4) | ((hh >> 6) & 3) << 4) - 32
+                    base, s = 128 * h, sc[8 * h :]
+                    y[base + l] = d * s[is_] * q1
+                    y[base + l + 32] = d * s[is_ + 2] * q2
+                    y[base + l + 64] = d * s[is_ + 4] * q3
+                    y[base + l + 96] = d * s[is_ + 6] * q4
+    return out
+
+
+def reference_dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> np.ndarray:
+    if qtype == Q.F32:
+        return raw.view(np.float32).astype(np.float64).reshape(shape)
+    if qtype == Q.F16:
+        return raw.view(np.float16).astype(np.float64).reshape(shape)
+    if qtype == Q.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(shape)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = raw.reshape(-1, size)
+    dec = _ref_k(blocks, qtype) if block == 256 else _ref_simple(blocks, qtype)
+    return dec.reshape(shape)
+
+
+def _raw_tensor(qtype: Q, shape, rng) -> tuple[np.ndarray, np.ndarray | None]:
+    """(bytes or typed array to write, the float data it approximates or None)."""
+    data = rng.standard_normal(shape).astype(np.float32)
+    if qtype == Q.F32:
+        return data, data
+    if qtype in (Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        return gguf.quants.quantize(data, qtype), data
+    # K-quants: gguf has no quantizer, so random blocks with sane fp16 scales
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (shape[0], shape[1] // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = scales[..., :2]
+    else:
+        raw[..., 0:4] = scales.reshape(*scales.shape[:2], 4)
+    return raw.reshape(shape[0], -1), None
+
+
+@pytest.mark.parametrize("name", SUPPORTED_TYPES)
+def test_dequantize_matches_reference(name, tmp_path):
+    qtype = Q[name]
+    rng = np.random.default_rng(0)
+    shape = (3, 512)
+    raw, data = _raw_tensor(qtype, shape, rng)
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("x", raw, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tensor = gguf.GGUFReader(str(path)).tensors[0]
+    assert tensor.tensor_type == qtype
+    got = dequantize(tensor)
+    assert got.shape == shape and got.dtype == np.float32
+    want = reference_dequantize(np.ascontiguousarray(raw).view(np.uint8).reshape(-1), qtype, shape)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    if data is not None:  # and the format round-trips floats within its precision
+        tol = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.03, "Q5_0": 0.2, "Q5_1": 0.2}.get(name, 0.4)
+        assert np.abs(got - data).max() <= tol * np.abs(data).max() + 1e-7
+
+
+def test_qk_permutation_matches_llama_cpp_rotary():
+    """unpermute(permute(w)) == w, and llama.cpp's interleaved rotary on the permuted rows equals
+    HF's rotate-half rotary on the unpermuted ones (so we undo it in the right direction)."""
+    from sluice.engine.config import ModelConfig
+
+    heads, d, hidden = 3, 8, 12
+    w = torch.randn(heads * d, hidden).numpy()
+    p = permute_qk(w, heads)
+    assert not np.array_equal(p, w)
+    np.testing.assert_array_equal(unpermute_qk(p, heads), w)
+
+    cfg = ModelConfig("llama", 10, hidden, 16, 1, heads, heads, d, 1e-5, 100.0, None, 64, False, False, None, ())
+    rot = RotaryEmbedding(cfg)
+    x = torch.randn(5, hidden)
+    positions = torch.arange(5) * 3
+    cos, sin = rot.cos_sin(positions, torch.float32)
+    hf_out = apply_rotary((x @ torch.from_numpy(w).T).view(5, heads, d), cos, sin)
+    # llama.cpp (GGML_ROPE_TYPE_NORM): rotate adjacent pairs (2i, 2i+1) by angle pos * inv_freq[i]
+    y = (x @ torch.from_numpy(p).T).view(5, heads, d // 2, 2)
+    c, s = cos[..., None].squeeze(1)[:, None], sin[..., None].squeeze(1)[:, None]
+    a, b = y[..., 0], y[..., 1]
+    gg = torch.stack((a * c[..., 0] - b * s[..., 0], a * s[..., 0] + b * c[..., 0]), dim=-1).view(5, heads, d)
+    torch.testing.assert_close(unpermute_qk(gg.reshape(5, -1).T.numpy(), heads).T, hf_out.reshape(5, -1).numpy(), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- tiny models written as GGUF
+
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: bool = False, override=None):
+    """Write a HF model as llama.cpp's converter would (names, Q/K permutation for llama)."""
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    for name, t in hf.state_dict().items():
+        t = t.float().numpy()
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{_GGUF_LAYER[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                t = permute_qk(t, c.num_attention_heads)
+            if arch == "llama" and module == "self_attn.k_proj":
+                t = permute_qk(t, c.num_key_value_heads)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
+        if override and gname in override:
+            t = override[gname](t)
+        if isinstance(t, tuple):
+            w.add_tensor(gname, t[0], raw_dtype=t[1])
+        else:
+            w.add_tensor(gname, t.astype(np.float16) if f16 and t.ndim == 2 else t)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _check_against_hf(hf, loaded):
+    cfg = loaded.config
+    model = CausalLM.from_state_dict(cfg, loaded.tensors)
+    prompts = make_prompts(cfg.vocab_size)
+    ours = run_in_steps(model, prompts, shuffled_tables(LENGTHS, 40), garbage_caches(cfg, 40))
+    for got, want in zip(ours, hf_logits(hf, prompts)):
+        assert rel_err(got, want) <= 1e-4
+
+
+def test_tiny_llama_gguf_with_llama3_rope_freqs(tmp_path):
+    from sluice.engine.rope import _base_inv_freq, inv_freq_and_scale
+    from sluice.engine.config import ModelConfig
+
+    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    hf = build("llama", rope_scaling=scaling)
+    # llama.cpp's converter stores llama3 scaling as per-frequency divisors in rope_freqs
+    hf_cfg = ModelConfig.from_hf_dict({**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    factors = (_base_inv_freq(hf_cfg.rope_theta, hf_cfg.head_dim) / inv_freq_and_scale(hf_cfg)[0]).numpy()
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, "llama", rope_freqs=factors)
+    loaded = load_model(path, load_tokenizer=False)
+    assert loaded.config.rope_scaling["rope_type"] == "freq_factors"
+    assert loaded.config.eos_token_ids == (2,)
+    assert not loaded.config.tie_word_embeddings
+    _check_against_hf(hf, loaded)
+
+
+def test_tiny_qwen2_gguf_bias_tied(tmp_path):
+    hf = build("qwen2", tie_word_embeddings=True)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, "qwen2")
+    loaded = load_model(tmp_path, load_tokenizer=False)  # a directory holding one .gguf file
+    assert loaded.config.architecture == "qwen2" and loaded.config.attention_bias
+    assert loaded.config.tie_word_embeddings
+    _check_against_hf(hf, loaded)
+
+
+def test_f16_gguf_equals_rounded_weights(tmp_path):
+    hf = build("llama")
+    write_gguf(tmp_path / "m.gguf", hf, "llama", f16=True)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    t = hf.state_dict()["model.layers.0.mlp.up_proj.weight"]
+    assert torch.equal(loaded.tensors["model.layers.0.mlp.up_proj.weight"], t.half().float())
+
+
+# ---------------------------------------------------------------- the default model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(None)
+
+
+def test_default_model_metadata(smollm2):
+    c = smollm2.config
+    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    from sluice.engine.loader.default import default_model_path
+
+    assert smollm2.source == str(default_model_path()) and smollm2.source.endswith(".gguf")
+    assert smollm2.tokenizer is not None and 2 in c.eos_token_ids
+
+
+def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
+    """transformers' GGUF path (what from_pretrained(dir, gguf_file=...) runs; from_pretrained itself
+    also wants accelerate) dequantizes the same bytes with the same numpy code, so the weights are
+    identical and only float32 summation order differs: 1e-4 of the largest logit is ample."""
+    import functools
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # Speed only: read the file once for both calls, and memoize gguf's name map, which
+    # transformers rebuilds for each of its ~400 submodules (6 s otherwise).
+    reader = gguf.GGUFReader(smollm2.source)
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    meta = load_gguf_checkpoint(smollm2.source, return_tensors=False)["config"]
+    hf_cfg = LlamaConfig(**{k: v for k, v in meta.items() if not k.startswith("_") and k != "model_type"})
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_cfg)
+    sd = load_gguf_checkpoint(smollm2.source, return_tensors=True, model_to_load=hf)["tensors"]
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    hf.load_state_dict(sd, assign=True, strict=False)
+    hf.model.rotary_emb.__init__(hf_cfg)  # buffers were created on the meta device
+    hf.float().eval()
+
+    tok = smollm2.tokenizer
+    prompts = [
+        tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+        tok.encode("The quick brown fox jumps over the lazy dog. " * 3),
+    ]
+    model = CausalLM.from_state_dict(smollm2.config, smollm2.tensors)
+    from sluice.engine.attention import build_metadata
+
+    cfg = smollm2.config
+    caches = garbage_caches(cfg, 16)
+    tables = shuffled_tables([len(p) for p in prompts], 16)
+    meta = build_metadata([len(p) for p in prompts], [len(p) for p in prompts], tables, BLOCK)
+    ids = torch.tensor(prompts[0] + prompts[1])
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    hidden = model(ids, pos, meta, caches)
+    last = torch.tensor([len(prompts[0]) - 1, len(ids) - 1])
+    ours = model.compute_logits(hidden[last])
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            want = hf(torch.tensor([p])).logits[0, -1]
+            assert rel_err(ours[i], want) <= 1e-4
+            assert ours[i].argmax() == want.argmax()
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_unsupported_quant_type(tmp_path):
+    hf = build("llama", intermediate_size=256, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    rng = np.random.default_rng(0)
+    q2k = lambda t: (rng.integers(0, 256, (t.shape[0], t.shape[1] // 256 * 84), dtype=np.uint8), Q.Q2_K)
+    path = tmp_path / "q2k.gguf"
+    write_gguf(path, hf, "llama", override={"blk.1.ffn_up.weight": q2k})
+    with pytest.raises(EngineError) as e:
+        load_model(path, load_tokenizer=False)
+    msg = str(e.value)
+    assert str(path) in msg and "blk.1.ffn_up.weight" in msg and "Q2_K" in msg
+    assert e.value.field == "blk.1.ffn_up.weight"
+
+
+def test_unknown_gguf_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(EngineError) as e:
+        load_model(path, load_tokenizer=False)
+    assert str(path) in str(e.value) and "'gpt2'" in str(e.value) and e.value.field == "general.architecture"
+
+
+def test_gguf_missing_and_misshapen_tensor(tmp_path):
+    hf = build("llama")
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, hf, "llama", override={"blk.0.ffn_down.weight": lambda t: t[:, :-1].copy()})
+    with pytest.raises(EngineError) as e:
+        load_model(path, load_tokenizer=False)
+    msg = str(e.value)
+    assert str(path) in msg and "model.layers.0.mlp.down_proj.weight" in msg and "[64, 95]" in msg and "[64, 96]" in msg
