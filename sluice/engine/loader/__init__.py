@@ -61,4 +61,28 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: Any = None, load
     raise EngineError(f"{p}: not a GGUF file (bad magic) nor a model directory", field="model")
 
 
-__all__ = ["LoadedModel", "load_model"]
+def load_tokenizer(path: str | os.PathLike | None = None) -> tuple["Tokenizer", ModelConfig]:
+    """The tokenizer and configuration of a model, without reading its weights (for processes
+    that only tokenize)."""
+    from gguf import GGUFReader
+
+    from ..tokenizer import Tokenizer
+    from . import default, gguf, hf
+
+    if path is None or str(path) == "default":
+        path = default.default_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EngineError(f"model path {str(p)!r} does not exist", field="model")
+    if p.is_dir() and (p / "config.json").is_file():
+        return Tokenizer.from_hf_dir(p), hf.read_config(p)
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise EngineError(f"{p}: not a model directory (no config.json) nor one .gguf file", field="model")
+        p = ggufs[0]
+    reader = GGUFReader(str(p))
+    return Tokenizer.from_gguf(reader, str(p)), gguf.read_config(reader, str(p))[0]
+
+
+__all__ = ["LoadedModel", "load_model", "load_tokenizer"]

@@ -1,0 +1,121 @@
+"""Reads a Kafka topic into the first actor, commits what is finished, and turns undecodable input
+into error events so that bad input never stops a partition.
+
+The consumer pauses its partitions once `max_in_flight` records are unfinished (backpressure) and
+keeps polling so the group does not evict it; records are acknowledged out of order and committed
+as the contiguous finished prefix of each partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from aiokafka.structs import ConsumerRecord
+from pydantic import BaseModel, ValidationError
+
+from sluice.actors.messages import Envelope
+from sluice.actors.metrics import Metrics
+from sluice.actors.transport import Sink
+from sluice.connectors.kafka_consumer import RequestConsumer
+from sluice.connectors.kafka_producer import EventProducer
+from sluice.schemas import ErrorEvent, RequestRejected, decode_request, encode
+from sluice.schemas.events import ErrorCode
+
+log = logging.getLogger(__name__)
+
+COMMIT_INTERVAL_S = 1.0
+
+
+class Ingress:
+    """One consumer feeding one sink.
+
+    `decode` turns a record's bytes into the message for the sink; it raises RequestRejected (with
+    a ready error event) for client input, or ValidationError for a malformed internal message.
+    """
+
+    def __init__(self, consumer: RequestConsumer, producer: EventProducer, deliver: Sink, *,
+                 tokens_topic: str, dlq_topic: str, decode: Callable[[bytes], BaseModel] = decode_request,
+                 metrics: Metrics | None = None):
+        self.consumer = consumer
+        self.producer = producer
+        self.deliver = deliver
+        self.tokens_topic = tokens_topic
+        self.dlq_topic = dlq_topic
+        self.decode = decode
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        """Consume until the consumer stops; commits finished records every second."""
+        committer = asyncio.ensure_future(self._commit_loop())
+        try:
+            async for record in self.consumer:
+                await self._handle(record)
+        finally:
+            committer.cancel()
+
+    async def _handle(self, record: ConsumerRecord) -> None:
+        try:
+            body = self.decode(record.value or b"")
+        except RequestRejected as rejected:
+            self._spawn(self._publish_error(record, rejected.event, rejected.reply_topic))
+            return
+        except (ValidationError, ValueError) as exc:
+            event = ErrorEvent(code=ErrorCode.INTERNAL, message=f"malformed internal message: {exc}")
+            self._spawn(self._publish_error(record, event, None))
+            return
+        ack = self._acker(record)
+        await self.deliver(Envelope(body, ack, time.time()))
+
+    def _acker(self, record: ConsumerRecord) -> Callable[[], None]:
+        def ack() -> None:
+            self.consumer.done(record)
+
+        return ack
+
+    async def _publish_error(self, record: ConsumerRecord, event: ErrorEvent, reply_topic: str | None) -> None:
+        """Client-visible error for bad input: to the reply topic when the request id could be
+        read, else to the dead-letter topic with the raw bytes. Then the offset may be committed."""
+        if event.request_id is not None:
+            topic, key = reply_topic or self.tokens_topic, event.request_id
+            event = event.model_copy(update={"seq": 0})
+        else:
+            topic, key = self.dlq_topic, None
+            if event.raw is None:
+                event = event.with_raw(record.value or b"")
+        log.info("rejected input at %s[%d]@%d: %s: %s", record.topic, record.partition, record.offset,
+                 event.code, event.message)
+        try:
+            await self.producer.send_and_wait(topic, key=key, value=encode(event))
+        except Exception:
+            log.exception("could not publish the error event for %s[%d]@%d; it will be retried after a "
+                          "restart", record.topic, record.partition, record.offset)
+            return
+        if self.metrics:
+            self.metrics.requests.labels(event.code).inc()
+        self.consumer.done(record)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(COMMIT_INTERVAL_S)
+            try:
+                await self.consumer.commit_done()
+                if self.metrics:
+                    self.metrics.in_flight.set(self.consumer.in_flight)
+                    self.metrics.paused.set(1 if self.consumer.paused else 0)
+                    for tp, lag in (await self.consumer.lag()).items():
+                        self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
+            except Exception:
+                log.warning("periodic commit failed; retrying in %.0f s", COMMIT_INTERVAL_S, exc_info=True)
+
+    async def drain_errors(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

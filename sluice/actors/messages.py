@@ -1,0 +1,77 @@
+"""Messages between the actors. In one process they travel through mailboxes; with one role per
+process they travel as JSON on internal Kafka topics, so each is a pydantic model.
+
+Every message carries an `ack`: the callback that marks the Kafka record it came from as done.
+It travels with the work until the work's output crosses a Kafka boundary (the final event on the
+tokens topic, or an internal topic in role mode), and only then is called: an input offset is
+committed only after its output is safely written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sluice.schemas import ErrorEvent, GenerateRequest
+from sluice.schemas.events import Timings, TokenLogprob, Usage
+
+Ack = Callable[[], None]
+
+
+def no_ack() -> None:
+    """For work that did not come from a Kafka record (tests, in-process callers)."""
+
+
+class _Internal(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TokenizedRequest(_Internal):
+    """tokenizer → scheduler → runner: a valid request with its prompt as token ids."""
+
+    request: GenerateRequest
+    prompt_token_ids: list[int]
+    # The conversation that the prompt continues (chat messages so far), for the session update.
+    conversation: list[dict] = Field(default_factory=list)
+    history_tokens: int = 0  # prompt tokens that came from earlier turns of the session
+    received_at: float  # unix time the request was read from Kafka (queue time starts here)
+
+
+class StepMessage(_Internal):
+    """runner → streamer: what one engine step produced for one request, or its failure."""
+
+    request_id: str
+    seq: int  # per request: 0, 1, 2, ...; the final or error message takes the next number
+    index: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    full_text: str | None = None  # on the final message
+    choices: list[dict] | None = None  # on the final message when n > 1
+    error: ErrorEvent | None = None  # set instead of tokens when the request failed
+    # Echoed from the request so the streamer needs no other state.
+    reply_topic: str | None = None
+    session_id: str | None = None
+    tenant: str | None = None
+    metadata: dict | None = None
+    model: str = ""
+    runner_id: str = ""
+    # On the final message of a session's turn: the conversation to remember.
+    session_messages: list[dict] | None = None
+    session_token_ids: list[int] | None = None
+
+
+@dataclass
+class Envelope:
+    """A message and the acknowledgement owed once its output is written."""
+
+    body: TokenizedRequest | StepMessage | GenerateRequest
+    ack: Ack = field(default=no_ack)
+    received_at: float = 0.0

@@ -1,0 +1,244 @@
+"""Wiring: the four actors in one process (`sluice run`), or one role per process connected by
+internal topics (`sluice run --role ...`), scaled by consumer groups.
+
+    all in one:  requests ─► tokenizer ─► scheduler ─► runner ─► streamer ─► tokens
+    per role:    requests ─► tokenizer ─► internal.tokenized ─► scheduler ─► internal.work
+                 ─► runner(s) ─► internal.steps ─► streamer ─► tokens
+
+Shutdown (SIGTERM, SIGINT): stop reading, let in-flight requests finish (bounded by
+`drain_timeout_s`), commit what finished, then stop the actors. What did not finish is read again
+by whoever owns the partition next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+
+from sluice.actors.ingress import Ingress
+from sluice.actors.messages import StepMessage, TokenizedRequest
+from sluice.actors.metrics import Metrics
+from sluice.actors.runner_actor import RunnerActor
+from sluice.actors.runtime import ActorFailed, ActorSystem
+from sluice.actors.scheduler_actor import SchedulerActor, routing_key
+from sluice.actors.streamer_actor import StreamerActor
+from sluice.actors.tokenizer_actor import TokenizerActor
+from sluice.actors.transport import KafkaSink
+from sluice.connectors.kafka_consumer import RequestConsumer
+from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.sessions import SessionStore
+from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
+from sluice.connectors.topics import ensure_topics
+from sluice.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+ROLES = ("tokenizer", "scheduler", "runner", "streamer")
+
+
+@dataclass
+class Topics:
+    requests: str = "sluice.requests"
+    tokens: str = "sluice.tokens"
+    dlq: str = "sluice.dlq"
+    tokenized: str = "sluice.internal.tokenized"
+    work: str = "sluice.internal.work"
+    steps: str = "sluice.internal.steps"
+
+
+@dataclass
+class PipelineConfig:
+    model: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    bootstrap_servers: str = field(default_factory=kafka_bootstrap_servers)
+    redis_url: str | None = field(default_factory=redis_url)  # None: no sessions
+    topics: Topics = field(default_factory=Topics)
+    partitions: int = 4
+    group: str = "sluice"
+    max_in_flight: int = 64  # unfinished requests per process before its input pauses
+    session_ttl_s: int = 3600
+    metrics_port: int | None = None
+    runner_id: str = field(default_factory=lambda: f"runner-{socket.gethostname()}-{os.getpid()}")
+    drain_timeout_s: float = 60.0
+
+
+class Pipeline:
+    """One process's share of the pipeline: its actors, its consumer and its producer."""
+
+    def __init__(self, config: PipelineConfig, role: str | None = None):
+        if role is not None and role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
+        self.config = config
+        self.role = role
+        self.metrics = Metrics()
+        self.system = ActorSystem(f"sluice-{role or 'all'}", drain_timeout=config.drain_timeout_s)
+        self.producer: EventProducer | None = None
+        self.consumer: RequestConsumer | None = None
+        self.sessions: SessionStore | None = None
+        self.ingress: Ingress | None = None
+        self.engine = None
+        self._sinks: list[KafkaSink] = []
+        self._stop = asyncio.Event()
+
+    # -- assembly ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        c, t = self.config, self.config.topics
+        await ensure_topics(c.bootstrap_servers, {
+            t.requests: c.partitions, t.tokens: c.partitions, t.dlq: 1,
+            **({t.tokenized: c.partitions, t.work: c.partitions, t.steps: c.partitions} if self.role else {}),
+        })
+        if c.metrics_port:
+            self.metrics.serve(c.metrics_port)
+            log.info("metrics on :%d/metrics", c.metrics_port)
+        self.producer = EventProducer(bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role or 'all'}")
+        await self.producer.start()
+        if c.redis_url and self.role in (None, "tokenizer", "streamer"):
+            self.sessions = SessionStore(c.redis_url, ttl_s=c.session_ttl_s)
+            ok = await self.sessions.check()
+            self.metrics.redis_available.set(1 if ok else 0)
+            log.info("sessions in Redis at %s: %s", c.redis_url,
+                     "available" if ok else "UNREACHABLE: serving without prefix reuse across turns")
+        builder = getattr(self, f"_build_{self.role or 'all'}")
+        first, topic, decode = await builder()
+        group = c.group if self.role is None else f"{c.group}-{self.role}"
+        self.consumer = RequestConsumer([topic], group_id=group, bootstrap_servers=c.bootstrap_servers,
+                                        max_in_flight=c.max_in_flight, drain_timeout=c.drain_timeout_s)
+        await self.consumer.start()
+        self.ingress = Ingress(self.consumer, self.producer, first.tell, tokens_topic=t.tokens,
+                               dlq_topic=t.dlq, metrics=self.metrics, **({"decode": decode} if decode else {}))
+        await self.system.start()
+        log.info("pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, dead letters to %s",
+                 self.role or "all roles", topic, group, c.max_in_flight, t.tokens, t.dlq)
+
+    async def _engine(self):
+        from sluice.engine import LLMEngine
+
+        # Loading takes seconds: keep the loop free meanwhile.
+        self.engine = await asyncio.to_thread(LLMEngine, self.config.model, self.config.engine)
+        return self.engine
+
+    def _sink(self, topic: str, key) -> KafkaSink:
+        sink = KafkaSink(self.producer, topic, key)
+        self._sinks.append(sink)
+        return sink
+
+    def _streamer(self) -> StreamerActor:
+        return StreamerActor(self.producer, self.config.topics.tokens, self.sessions, metrics=self.metrics,
+                             capacity=max(1024, 4 * self.config.max_in_flight))
+
+    async def _build_all(self):
+        c = self.config
+        engine = await self._engine()
+        streamer = self._streamer()
+        runner = RunnerActor(engine, streamer.tell, runner_id=c.runner_id, max_queue=c.max_in_flight,
+                             metrics=self.metrics)
+        scheduler = SchedulerActor([runner.tell], streamer.tell, capacity=c.max_in_flight)
+        tokenizer = TokenizerActor(engine.tokenizer, engine.max_model_len, self.sessions, scheduler.tell,
+                                   streamer.tell, capacity=c.max_in_flight)
+        self.system.add(tokenizer, sends_to=[scheduler, streamer])
+        self.system.add(scheduler, sends_to=[runner, streamer])
+        self.system.add(runner, sends_to=[streamer])
+        self.system.add(streamer)
+        self.runner = runner
+        return tokenizer, c.topics.requests, None
+
+    async def _build_tokenizer(self):
+        from sluice.engine.loader import load_tokenizer
+
+        c, t = self.config, self.config.topics
+        tokenizer, model_config = await asyncio.to_thread(load_tokenizer, c.model)
+        max_len = c.engine.max_model_len or model_config.max_position_embeddings
+        actor = TokenizerActor(tokenizer, max_len, self.sessions, self._sink(t.tokenized, routing_key),
+                               self._sink(t.steps, _request_key), capacity=c.max_in_flight)
+        self.system.add(actor)
+        return actor, t.requests, None
+
+    async def _build_scheduler(self):
+        c, t = self.config, self.config.topics
+        actor = SchedulerActor([self._sink(t.work, routing_key)], self._sink(t.steps, _request_key),
+                               capacity=c.max_in_flight)
+        self.system.add(actor)
+        return actor, t.tokenized, TokenizedRequest.model_validate_json
+
+    async def _build_runner(self):
+        c, t = self.config, self.config.topics
+        engine = await self._engine()
+        actor = RunnerActor(engine, self._sink(t.steps, _request_key), runner_id=c.runner_id,
+                            max_queue=c.max_in_flight, metrics=self.metrics)
+        self.system.add(actor)
+        self.runner = actor
+        return actor, t.work, TokenizedRequest.model_validate_json
+
+    async def _build_streamer(self):
+        actor = self._streamer()
+        self.system.add(actor)
+        return actor, self.config.topics.steps, StepMessage.model_validate_json
+
+    # -- running -------------------------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until a signal or an actor failure; then shut down in order. Raises ActorFailed
+        when an actor failed (the caller exits non-zero)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        await self.start()
+        ingress = asyncio.ensure_future(self.ingress.run())
+        stop = asyncio.ensure_future(self._stop.wait())
+        failed = asyncio.ensure_future(self.system.wait())
+        try:
+            done, _ = await asyncio.wait({ingress, stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+            if failed in done:
+                failed.result()  # raises ActorFailed
+            if ingress in done:
+                ingress.result()
+                log.error("the consumer stopped unexpectedly; shutting down")
+        finally:
+            log.info("shutting down: finishing in-flight requests (up to %.0f s)", self.config.drain_timeout_s)
+            await self.shutdown()
+            for task in (ingress, stop, failed):
+                task.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    async def shutdown(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.stop()  # waits for in-flight records (bounded), commits, leaves
+        if self.ingress is not None:
+            await self.ingress.drain_errors()
+        if not self.system_failed():
+            await self.system.shutdown(graceful=True)
+        for sink in self._sinks:
+            await sink.flush()
+        if self.producer is not None:
+            await self.producer.stop()
+        if self.sessions is not None:
+            await self.sessions.close()
+
+    def system_failed(self) -> bool:
+        return any(getattr(a, "failure", None) is not None for a in self.system.actors)
+
+
+def _request_key(message) -> str:
+    return message.request_id
+
+
+async def run_pipeline(config: PipelineConfig, role: str | None = None) -> int:
+    pipeline = Pipeline(config, role)
+    try:
+        await pipeline.run()
+    except ActorFailed as exc:
+        log.critical("%s; exiting", exc)
+        return 1
+    return 0
+
+
+__all__ = ["Pipeline", "PipelineConfig", "ROLES", "Topics", "run_pipeline"]

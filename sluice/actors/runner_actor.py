@@ -1,0 +1,191 @@
+"""Runner actor: owns one engine and turns its steps into an ordered stream of step messages.
+
+The engine's step loop runs in a thread of its own (ThreadedWorker), the only thread that touches
+the engine, so the event loop keeps serving Kafka heartbeats and polls while a step computes.
+Sequence numbers are given here, in the order the engine produced the tokens, so a request
+replayed after a crash gets the same (request_id, seq) for the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from sluice.actors.messages import Ack, Envelope, StepMessage, TokenizedRequest, no_ack
+from sluice.actors.metrics import Metrics
+from sluice.actors.runtime import Actor, ThreadedWorker
+from sluice.actors.tokenizer_actor import error_step
+from sluice.actors.transport import Sink
+from sluice.engine import EngineError, LLMEngine, SamplingParams, StepOutput
+from sluice.schemas.events import ErrorCode, Timings, TokenLogprob, TopLogprob, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    work: TokenizedRequest
+    ack: Ack
+    submitted_at: float  # wall clock, when handed to the engine thread
+    seq: int = 0
+    texts: dict[int, str] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    finals: dict[int, StepOutput] = field(default_factory=dict)
+
+
+class RunnerActor(Actor):
+    def __init__(self, engine: LLMEngine, send_steps: Sink, *, runner_id: str = "runner-0",
+                 max_queue: int = 256, metrics: Metrics | None = None, name: str | None = None):
+        super().__init__(name or runner_id, capacity=max_queue)
+        self.engine = engine
+        self.send_steps = send_steps
+        self.runner_id = runner_id
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.model_id = engine.model_id.rsplit("/", 1)[-1]
+        self._tracked: dict[str, _Tracked] = {}
+        self._rejected: list[tuple[str, EngineError]] = []  # filled in the engine thread
+        self._worker: ThreadedWorker | None = None
+        self.peak_queue = 0  # most requests the engine held at once (bounded by max_queue)
+
+    # -- loop side -----------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        self._worker = ThreadedWorker(step=self._step, accept=self._accept, has_work=self._has_work,
+                                      name=self.runner_id, max_pending=16)
+        self._worker.start()
+        self.spawn(self._pump(), name=f"{self.runner_id}-pump")
+
+    async def on_stop(self) -> None:
+        if self._worker is not None:
+            await self._worker.stop(drain=False)
+
+    async def handle(self, envelope: Envelope) -> None:
+        work: TokenizedRequest = envelope.body
+        request_id = work.request.request_id
+        if request_id in self._tracked:
+            # Redelivered while the first copy still runs (e.g. a rebalance): one copy is enough.
+            log.warning("request %s is already running here; dropping the duplicate", request_id)
+            return
+        self._tracked[request_id] = _Tracked(work, envelope.ack, time.time())
+        self.peak_queue = max(self.peak_queue, len(self._tracked))
+        if self.metrics:
+            self.metrics.queue_depth.labels("runner").set(len(self._tracked))
+        self._worker.submit(work)
+
+    async def _pump(self) -> None:
+        async for outputs in self._worker:
+            for message, ack in self._messages(outputs):
+                await self.send_steps(Envelope(message, ack or no_ack))
+            if self.metrics:
+                self._observe()
+
+    def _observe(self) -> None:
+        stats = self.engine.stats()  # plain reads of counters; a slightly stale value is fine
+        self.metrics.kv_cache_usage.labels(self.runner_id).set(stats["kv_cache_usage"])
+        self.metrics.prefix_hit_rate.labels(self.runner_id).set(stats["prefix_cache_hit_rate"])
+        self.metrics.preemptions.labels(self.runner_id).set(stats["num_preemptions"])
+        self.metrics.queue_depth.labels("runner").set(len(self._tracked))
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _accept(self, work: TokenizedRequest) -> None:
+        request = work.request
+        try:
+            self.engine.add_request(
+                request.request_id, prompt_token_ids=work.prompt_token_ids,
+                params=SamplingParams(**request.sampling_kwargs()),
+                priority=request.priority, cache_salt=request.tenant,
+            )
+        except EngineError as exc:
+            self._rejected.append((request.request_id, exc))
+
+    def _has_work(self) -> bool:
+        return self.engine.has_unfinished() or bool(self._rejected)
+
+    def _step(self) -> list:
+        rejected, self._rejected = self._rejected, []
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        return [*rejected, *outputs]
+
+    # -- step outputs -> messages --------------------------------------------------------------
+
+    def _messages(self, outputs: list) -> list[tuple[StepMessage, Ack | None]]:
+        messages = []
+        for out in outputs:
+            if isinstance(out, tuple):  # (request_id, EngineError) from add_request
+                messages += self._rejection(*out)
+                continue
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            if out.new_token_ids or out.text:
+                messages.append((self._token_message(tracked, out), None))
+            tracked.texts[out.index] = tracked.texts.get(out.index, "") + out.text
+            tracked.token_ids.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished:
+                tracked.finals[out.index] = out
+                if len(tracked.finals) == tracked.work.request.n:
+                    del self._tracked[out.request_id]
+                    messages.append((self._final_message(tracked), tracked.ack))
+        return messages
+
+    def _rejection(self, request_id: str, exc: EngineError) -> list[tuple[StepMessage, Ack]]:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return []
+        code = ErrorCode.PROMPT_TOO_LONG if exc.field == "prompt" and "context" in str(exc) else ErrorCode.INVALID_REQUEST
+        return [(error_step(tracked.work.request, code, str(exc), exc.field), tracked.ack)]
+
+    def _echo(self, tracked: _Tracked) -> dict:
+        request = tracked.work.request
+        return dict(request_id=request.request_id, reply_topic=request.reply_topic,
+                    session_id=request.session_id, tenant=request.tenant, metadata=request.metadata,
+                    model=self.model_id, runner_id=self.runner_id)
+
+    def _token_message(self, tracked: _Tracked, out: StepOutput) -> StepMessage:
+        logprobs = None
+        if out.logprobs:
+            logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                     top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                        for lp in out.logprobs]
+        message = StepMessage(seq=tracked.seq, index=out.index, token_ids=out.new_token_ids, text=out.text,
+                              logprobs=logprobs, **self._echo(tracked))
+        tracked.seq += 1
+        return message
+
+    def _final_message(self, tracked: _Tracked) -> StepMessage:
+        request = tracked.work.request
+        first = tracked.finals[0]
+        last_usage = max((o.usage for o in tracked.finals.values()), key=lambda u: u.completion_tokens)
+        # Engine timings start when the engine got the request; the client's clock started when
+        # the request was read from Kafka.
+        before_engine = max(0.0, tracked.submitted_at - tracked.work.received_at)
+        t = first.timings
+
+        def shifted(value: float | None) -> float | None:
+            return None if value is None else value + before_engine
+
+        timings = Timings(queue_s=shifted(t.queue_s) or before_engine, ttft_s=shifted(t.ttft_s),
+                          tpot_s=t.tpot_s, total_s=max(0.0, time.time() - tracked.work.received_at))
+        usage = Usage(prompt_tokens=last_usage.prompt_tokens, cached_tokens=last_usage.cached_tokens,
+                      completion_tokens=sum(len(ids) for ids in tracked.token_ids.values()))
+        choices = None
+        if request.n > 1:
+            choices = [dict(index=i, text=tracked.texts.get(i, ""), finish_reason=o.finish_reason,
+                            stop_reason=o.stop_reason, completion_tokens=len(tracked.token_ids.get(i, [])))
+                       for i, o in sorted(tracked.finals.items())]
+        session_messages = session_ids = None
+        if request.session_id is not None:
+            reply = tracked.texts.get(0, "")
+            session_messages = (tracked.work.conversation + [{"role": "assistant", "content": reply}]
+                                if request.messages is not None else tracked.work.conversation)
+            session_ids = tracked.work.prompt_token_ids + tracked.token_ids.get(0, [])
+        message = StepMessage(seq=tracked.seq, finished=True, finish_reason=first.finish_reason,
+                              stop_reason=first.stop_reason, usage=usage, timings=timings,
+                              full_text=tracked.texts.get(0, ""), choices=choices,
+                              session_messages=session_messages, session_token_ids=session_ids,
+                              **self._echo(tracked))
+        tracked.seq += 1
+        return message

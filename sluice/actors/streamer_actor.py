@@ -1,0 +1,118 @@
+"""Streamer actor: publishes step messages as the client's events and remembers sessions.
+
+Token events go out as soon as they arrive (the idempotent producer keeps them in order per
+partition: the reply topic is keyed by request id). A final or error event is awaited until Kafka
+has it; only then is the session written to Redis, and the input record acknowledged, so its
+offset is committed only after the final event is durable.
+
+Text deltas, stop strings and usage are computed by the engine, which sees the tokens first; the
+streamer formats, publishes and records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from sluice.actors.messages import Envelope, StepMessage, no_ack
+from sluice.actors.metrics import Metrics
+from sluice.actors.runtime import Actor
+from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.sessions import SessionRecord, SessionStore
+from sluice.schemas import FinalEvent, TokenEvent, encode
+from sluice.schemas.events import Choice
+
+log = logging.getLogger(__name__)
+
+
+class StreamerActor(Actor):
+    def __init__(self, producer: EventProducer, tokens_topic: str, sessions: SessionStore | None,
+                 *, metrics: Metrics | None = None, name: str = "streamer", capacity: int = 1024):
+        super().__init__(name, capacity=capacity)
+        self.producer = producer
+        self.tokens_topic = tokens_topic
+        self.sessions = sessions
+        self.metrics = metrics
+        self._finishing: set[asyncio.Task] = set()
+
+    async def handle(self, envelope: Envelope) -> None:
+        message: StepMessage = envelope.body
+        topic = message.reply_topic or self.tokens_topic
+        if message.error is not None:
+            event = message.error.model_copy(update={"seq": message.seq})
+        elif not message.finished:
+            event = TokenEvent(request_id=message.request_id, seq=message.seq, index=message.index,
+                               token_ids=message.token_ids, text=message.text, logprobs=message.logprobs,
+                               session_id=message.session_id)
+            delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
+            if envelope.ack is not no_ack:  # one record per token message when roles run apart
+                self._track(self._ack_after(delivery, envelope))
+            return
+        else:
+            event = FinalEvent(
+                request_id=message.request_id, seq=message.seq, finish_reason=message.finish_reason,
+                stop_reason=message.stop_reason, usage=message.usage, timings=message.timings,
+                model=message.model, text=message.full_text or "",
+                choices=[Choice(**c) for c in message.choices] if message.choices else None,
+                session_id=message.session_id, metadata=message.metadata)
+        delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
+        self._track(self._finish(delivery, envelope))
+
+    def _track(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _ack_after(self, delivery, envelope: Envelope) -> None:
+        try:
+            await delivery
+        except Exception:
+            log.exception("token event of %s not delivered; its step stays uncommitted", envelope.body.request_id)
+            return
+        envelope.ack()
+
+    async def _finish(self, delivery, envelope: Envelope) -> None:
+        message: StepMessage = envelope.body
+        try:
+            await delivery
+        except Exception:
+            log.exception("final event of %s not delivered; its request stays uncommitted", message.request_id)
+            return
+        if message.session_id is not None and message.session_token_ids is not None and self.sessions:
+            previous = await self.sessions.get(message.tenant, message.session_id)
+            record = SessionRecord(tenant=message.tenant, session_id=message.session_id,
+                                   messages=message.session_messages or [],
+                                   token_ids=message.session_token_ids, owner=message.runner_id,
+                                   model=message.model, turns=(previous.turns if previous else 0) + 1)
+            await self.sessions.update(record)
+        envelope.ack()
+        self._record(message)
+
+    def _record(self, message: StepMessage) -> None:
+        if self.metrics is None:
+            return
+        m = self.metrics
+        if message.error is not None:
+            m.requests.labels(message.error.code).inc()
+            return
+        m.requests.labels("ok" if message.finish_reason != "abort" else "abort").inc()
+        if message.usage:
+            m.tokens.inc(message.usage.completion_tokens)
+            m.prompt_tokens.inc(message.usage.prompt_tokens)
+            m.cached_tokens.inc(message.usage.cached_tokens)
+        if message.timings:
+            t = message.timings
+            m.e2e.observe(t.total_s)
+            m.queue_time.observe(t.queue_s)
+            if t.ttft_s is not None:
+                m.ttft.observe(t.ttft_s)
+            if t.tpot_s is not None:
+                m.tpot.observe(t.tpot_s)
+        if self.sessions is not None:
+            m.redis_available.set(1 if self.sessions.available else 0)
+
+    async def on_stop(self) -> None:
+        if self._finishing:
+            await asyncio.gather(*list(self._finishing), return_exceptions=True)
+        await self.producer.flush()
