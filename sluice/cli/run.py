@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from sluice.actors.pipeline import ROLES, PipelineConfig, Topics, run_pipeline
+from sluice.actors.roles import ROLES
 from sluice.cli.generate import add_engine_arguments, engine_config_from_args
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 
@@ -18,7 +18,9 @@ def add_topic_arguments(parser: argparse.ArgumentParser) -> None:
                        help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)")
 
 
-def topics_from_args(args: argparse.Namespace) -> Topics:
+def topics_from_args(args: argparse.Namespace):
+    from sluice.actors.pipeline import Topics
+
     p = args.topic_prefix
     return Topics(requests=f"{p}.requests", tokens=f"{p}.tokens", dlq=f"{p}.dlq",
                   tokenized=f"{p}.internal.tokenized", work=f"{p}.internal.work", steps=f"{p}.internal.steps")
@@ -45,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sluice.actors.pipeline import PipelineConfig, run_pipeline  # loads torch: only when running
+
     config = PipelineConfig(
         model=args.model, engine=engine_config_from_args(args),
         bootstrap_servers=args.bootstrap_servers or kafka_bootstrap_servers(),

@@ -1,0 +1,198 @@
+"""The pipeline through Kafka against the engine in-process, on the same workload, in one run.
+
+    .venv/bin/python bench/pipeline.py            # 64 requests, prompts of 32..512 tokens, 128 out
+    .venv/bin/python bench/pipeline.py --quick    # 16 requests, 32..128 tokens, 32 out
+
+Phases, one after the other on this machine:
+  engine   LLMEngine in this process: all requests added at once, stepped until done; TTFT and
+           TPOT from the engine's own per-request timings.
+  kafka    `sluice run` (all actors in one process, the real broker from `sluice stack up`) with the
+           same engine settings; a plain aiokafka client publishes all requests at once and reads
+           the tokens topic; TTFT and TPOT are measured by the client (publish -> first token
+           event; first -> final event), so they include Kafka both ways.
+Prompts are text (seeded random tokens decoded), so both sides tokenize the same strings. Greedy,
+ignore_eos: every request produces exactly --output-len tokens on both sides.
+Writes bench/results/pipeline.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "pipeline.json"
+SPECIAL_TOKENS = 17
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[str]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, size=n)
+    return [tokenizer.decode(rng.integers(SPECIAL_TOKENS, tokenizer.vocab_size, size=int(k)).tolist())
+            for k in lens]
+
+
+def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict:
+    return {"side": name, "requests": len(ttft), "output_tokens": tokens, "wall_s": wall,
+            "throughput_tok_s": tokens / wall,
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99)}
+
+
+def run_engine(args, prompts: list[str]) -> dict:
+    from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(args.model, EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, dtype=args.dtype,
+                                                max_num_batched_tokens=args.max_num_batched_tokens))
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
+    log(f"engine: {len(prompts)} requests in-process")
+    start = time.monotonic()
+    results = engine.generate(prompts, params)
+    wall = time.monotonic() - start
+    return summary("engine in-process", [r.timings.ttft_s for r in results], [r.timings.tpot_s for r in results],
+                   sum(len(r.token_ids) for r in results), wall)
+
+
+async def run_kafka(args, prompts: list[str]) -> dict:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    prefix = f"bench{uuid.uuid4().hex[:8]}"
+    log_path = ROOT / ".sluice" / f"bench-pipeline-{prefix}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "sluice", "run", "--topic-prefix", prefix, "--no-sessions",
+           "--bootstrap-servers", args.bootstrap_servers, "--kv-cache-mb", str(args.kv_cache_mb),
+           "--dtype", args.dtype, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-in-flight", str(max(64, len(prompts)))]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 180
+        while " up: reading " not in log_path.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"sluice run did not start; see {log_path}")
+            await asyncio.sleep(0.3)
+        consumer = AIOKafkaConsumer(f"{prefix}.tokens", bootstrap_servers=args.bootstrap_servers,
+                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap_servers, linger_ms=0)
+        await consumer.start()
+        await producer.start()
+
+        async def publish(rid: str, prompt: str, max_tokens: int) -> float:
+            body = {"request_id": rid, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
+                    "ignore_eos": True}
+            await producer.send(f"{prefix}.requests", key=rid.encode(), value=json.dumps(body).encode())
+            return time.monotonic()
+
+        async def read_until(rids: set[str], first: dict, final: dict) -> None:
+            while not rids <= set(final):
+                batch = await consumer.getmany(timeout_ms=200)
+                now = time.monotonic()
+                for records in batch.values():
+                    for record in records:
+                        event = json.loads(record.value)
+                        rid = event["request_id"]
+                        if event["type"] == "token":
+                            first.setdefault(rid, now)
+                        elif event["type"] == "final":
+                            final[rid] = (now, event["usage"]["completion_tokens"])
+                        else:
+                            raise SystemExit(f"error event: {event}")
+
+        # Warm up the pipeline (first steps, topic metadata) outside the measurement.
+        await publish("warm-up", "warm up", 4)
+        await producer.flush()
+        await read_until({"warm-up"}, {}, {})
+        log(f"kafka: {len(prompts)} requests through {prefix}.requests")
+        sent, first, final = {}, {}, {}
+        start = time.monotonic()
+        for i, prompt in enumerate(prompts):
+            rid = f"r{i:03d}"
+            sent[rid] = await publish(rid, prompt, args.output_len)
+        await producer.flush()
+        await read_until(set(sent), first, final)
+        wall = max(t for t, _ in final.values()) - start
+        await producer.stop()
+        await consumer.stop()
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    ttft = [first[r] - sent[r] for r in sent]
+    tpot = [(final[r][0] - first[r]) / max(1, final[r][1] - 1) for r in sent]
+    return summary("pipeline via Kafka", ttft, tpot, sum(n for _, n in final.values()), wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="16 requests, 32..128 prompt tokens, 32 out")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-min", type=int, default=32)
+    parser.add_argument("--prompt-max", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-mb", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--bootstrap-servers", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.prompt_min, args.prompt_max, args.output_len = 16, 32, 128, 32
+    from sluice.connectors.settings import kafka_bootstrap_servers
+    from sluice.connectors.stack import LocalStack
+    from sluice.engine.loader import load_tokenizer
+
+    if args.bootstrap_servers is None:
+        args.bootstrap_servers = kafka_bootstrap_servers()
+        if not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+            LocalStack().up()  # a no-op when it is already running
+    tokenizer, _ = load_tokenizer(args.model)
+    prompts = make_prompts(tokenizer, args.num_requests, args.prompt_min, args.prompt_max, args.seed)
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
+    log(f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, {args.output_len} output tokens each")
+
+    engine = run_engine(args, prompts)
+    kafka = asyncio.run(run_kafka(args, prompts))
+    ratio = kafka["throughput_tok_s"] / engine["throughput_tok_s"]
+    added_ttft_ms = (kafka["ttft_p50_s"] - engine["ttft_p50_s"]) * 1000
+    result = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "prompt_tokens": prompt_tokens,
+              "sides": [engine, kafka], "throughput_ratio": ratio, "added_p50_ttft_ms": added_ttft_ms,
+              "targets": {"throughput_ratio": ">= 0.9", "added_p50_ttft_ms": "<= 20"}}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+
+    print(f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+    for s in (engine, kafka):
+        print(f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
+              f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
+              f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms")
+    print(f"\nthroughput ratio (Kafka / in-process): {ratio:.3f}   (target >= 0.9)")
+    print(f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms)")
+    print(f"written: {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
