@@ -47,6 +47,7 @@ class Ingress:
         self.decode = decode
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
+        self._pauses_reported = 0  # consumer.pauses already counted in the metrics
 
     async def run(self) -> None:
         """Consume until the consumer stops; commits finished records every second."""
@@ -111,6 +112,8 @@ class Ingress:
                 if self.metrics:
                     self.metrics.in_flight.set(self.consumer.in_flight)
                     self.metrics.paused.set(1 if self.consumer.paused else 0)
+                    self.metrics.pauses.inc(self.consumer.pauses - self._pauses_reported)
+                    self._pauses_reported = self.consumer.pauses
                     for tp, lag in (await self.consumer.lag()).items():
                         self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
             except Exception:

@@ -47,6 +47,14 @@ class Metrics:
                                       registry=r)
         self.paused = Gauge("sluice_consumer_paused", "1 while input partitions are paused (backpressure).",
                             registry=r)
+        self.pauses = Counter("sluice_consumer_pauses_total",
+                              "Times the input partitions were paused because max_in_flight records were "
+                              "unfinished (backpressure).", registry=r)
+        self.runner_queue_bound = Gauge("sluice_runner_queue_bound",
+                                        "Most requests a runner may hold (its configured bound).", ["runner"],
+                                        registry=r)
+        self.runner_peak_queue = Gauge("sluice_runner_peak_queue",
+                                       "Most requests the runner held at once so far.", ["runner"], registry=r)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from sluice.actors.ingress import Ingress
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
+from sluice.actors.roles import ROLES
 from sluice.actors.runner_actor import RunnerActor
 from sluice.actors.runtime import ActorFailed, ActorSystem
 from sluice.actors.scheduler_actor import SchedulerActor, routing_key
@@ -36,8 +37,6 @@ from sluice.connectors.topics import ensure_topics
 from sluice.engine import EngineConfig
 
 log = logging.getLogger(__name__)
-
-ROLES = ("tokenizer", "scheduler", "runner", "streamer")
 
 
 @dataclass
@@ -237,6 +236,9 @@ async def run_pipeline(config: PipelineConfig, role: str | None = None) -> int:
         await pipeline.run()
     except ActorFailed as exc:
         log.critical("%s; exiting", exc)
+        return 1
+    if pipeline.system.failure is not None:  # an actor failed while shutting down
+        log.critical("%s during shutdown; exiting", pipeline.system.failure)
         return 1
     return 0
 

@@ -48,6 +48,9 @@ class RunnerActor(Actor):
         self._rejected: list[tuple[str, EngineError]] = []  # filled in the engine thread
         self._worker: ThreadedWorker | None = None
         self.peak_queue = 0  # most requests the engine held at once (bounded by max_queue)
+        if metrics:
+            metrics.runner_queue_bound.labels(runner_id).set(max_queue)
+            metrics.runner_peak_queue.labels(runner_id).set(0)
 
     # -- loop side -----------------------------------------------------------------------------
 
@@ -72,6 +75,7 @@ class RunnerActor(Actor):
         self.peak_queue = max(self.peak_queue, len(self._tracked))
         if self.metrics:
             self.metrics.queue_depth.labels("runner").set(len(self._tracked))
+            self.metrics.runner_peak_queue.labels(self.runner_id).set(self.peak_queue)
         self._worker.submit(work)
 
     async def _pump(self) -> None:

@@ -57,7 +57,7 @@ class StreamerActor(Actor):
                 choices=[Choice(**c) for c in message.choices] if message.choices else None,
                 session_id=message.session_id, metadata=message.metadata)
         delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
-        self._track(self._finish(delivery, envelope))
+        self._track(self._finish_request(delivery, envelope))
 
     def _track(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -72,7 +72,7 @@ class StreamerActor(Actor):
             return
         envelope.ack()
 
-    async def _finish(self, delivery, envelope: Envelope) -> None:
+    async def _finish_request(self, delivery, envelope: Envelope) -> None:
         message: StepMessage = envelope.body
         try:
             await delivery

@@ -18,7 +18,10 @@ Around that core:
   still running when the wait ends is abandoned: the partition's next owner gets it again from the
   committed offset, and its late `done()` is ignored, even when the partition comes back to this
   member (each assignment has its own trackers, and `done()` only accepts the very record object
-  the current tracker handed out).
+  the current tracker handed out). From a revocation until the next assignment nothing is
+  fetched, and each new assignment starts its partitions at their committed offsets by an
+  explicit seek: a record fetched across the rebalance and dropped is read again, never skipped
+  (a skipped record would be lost as soon as a later one is committed).
 * Shutdown: `stop()` stops fetching, waits for in-flight records (bounded), commits and leaves.
 """
 
@@ -44,14 +47,20 @@ log = logging.getLogger(__name__)
 class _PartitionState:
     """One partition within one assignment: its tracker and the records it handed out."""
 
-    __slots__ = ("tp", "generation", "tracker", "records", "revoking")
+    __slots__ = ("tp", "generation", "tracker", "records", "revoking", "start")
 
-    def __init__(self, tp: TopicPartition, generation: int) -> None:
+    def __init__(self, tp: TopicPartition, generation: int, start: int | None = None) -> None:
         self.tp = tp
         self.generation = generation
         self.tracker = OffsetTracker()
         self.records: dict[int, ConsumerRecord] = {}  # offset -> the record object handed out
         self.revoking = False
+        self.start = start  # where this assignment reads from (the committed offset), if known
+
+    @property
+    def expected(self) -> int | None:
+        """The offset the next record handed out should have (at least)."""
+        return self.tracker.next_offset if self.tracker.next_offset is not None else self.start
 
 
 class _Listener(ConsumerRebalanceListener):
@@ -62,7 +71,7 @@ class _Listener(ConsumerRebalanceListener):
         await self._owner._on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: Iterable[TopicPartition]) -> None:
-        self._owner._on_assigned(set(assigned))
+        await self._owner._on_assigned(set(assigned))
 
 
 class RequestConsumer:
@@ -137,6 +146,7 @@ class RequestConsumer:
         self._changed = asyncio.Event()  # set whenever a record is done or dropped
         self._manual_pause = False
         self._auto_pause = False
+        self._rebalancing = False  # from a revocation until the next assignment: fetch nothing
         self._applied_pause = False
         self._stopping = False
         self._closed = False
@@ -145,6 +155,7 @@ class RequestConsumer:
         self.commits = 0  # successful commits that moved at least one offset
         self.abandoned = 0  # records given up at revocation or stop, to be redelivered
         self.stale_done = 0  # done() calls for records no longer tracked (ignored)
+        self.pauses = 0  # times max_in_flight paused fetching (backpressure)
 
     # Lifecycle ---------------------------------------------------------------------------------
 
@@ -220,7 +231,9 @@ class RequestConsumer:
                     return record
             if self._stopping or self._closed:
                 raise StopAsyncIteration
-            self._buffer.extend(await self._fetch(None, None))
+            # Not `self._buffer.extend(await ...)`: that binds the deque before the await.
+            fetched = await self._fetch(None, None)
+            self._buffer.extend(fetched)
 
     async def _fetch(self, max_records: int | None,
                      timeout: float | None) -> list[tuple[ConsumerRecord, int]]:
@@ -237,24 +250,35 @@ class RequestConsumer:
             # Never fetch past the bound; at the bound the partitions are paused and this poll
             # only keeps the membership alive.
             limit = max(1, min(limit, self.max_in_flight - self.in_flight))
+        # The generation when the fetch began: a fetch that spans a rebalance may return records
+        # of the new assignment before its callback ran, and those must not pass as its records.
+        generation = self._generation
         try:
             batch = await self._consumer.getmany(timeout_ms=int(timeout * 1000), max_records=limit)
         except ConsumerStoppedError:
             return []
-        generation = self._generation
         return [(record, generation) for records in batch.values() for record in records]
 
     def _hand_out(self, record: ConsumerRecord, generation: int) -> bool:
-        """Start tracking `record`; False (drop it) when its partition's assignment is gone."""
+        """Start tracking `record`; False when it is dropped.
+
+        A record is only ever dropped when it will be read again: its partition is being revoked
+        or has no assignment callback yet (the next assignment seeks to the committed offset,
+        which no commit moved past it), or it was fetched under an earlier assignment than its
+        partition's current one (the partition is rewound to the first offset not handed out).
+        aiokafka's position moved past a record once it returned it, so a drop without one of
+        these would skip it, and the next commit past a later record would lose it.
+        """
         tp = TopicPartition(record.topic, record.partition)
         state = self._parts.get(tp)
-        if state is None and generation == self._generation and not self._stopping \
-                and tp in self._consumer.assignment():
-            # Records arrived before the assignment callback ran (not seen in practice).
-            state = self._parts[tp] = _PartitionState(tp, self._generation)
-        if state is None or state.revoking or state.generation != generation:
-            # Revoked since it was fetched: the next owner reads it from the committed offset.
+        if state is None or state.revoking:
             return False
+        if state.generation != generation:
+            self._rewind(state, record.offset)
+            return False
+        expected = state.expected
+        if expected is not None and record.offset < expected:
+            return False  # read again after a rewind, and already handed out
         state.tracker.start(record.offset)
         state.records[record.offset] = record
         return True
@@ -360,6 +384,7 @@ class RequestConsumer:
             n = self.in_flight
             if not self._auto_pause and n >= self.max_in_flight:
                 self._auto_pause = True
+                self.pauses += 1
                 log.debug("pausing: %d records in flight (max %d)", n, self.max_in_flight)
             elif self._auto_pause and n <= self.low_water:
                 self._auto_pause = False
@@ -367,7 +392,7 @@ class RequestConsumer:
         self._apply_pause()
 
     def _apply_pause(self) -> None:
-        want = self._manual_pause or self._auto_pause or self._stopping
+        want = self._manual_pause or self._auto_pause or self._stopping or self._rebalancing
         if self._consumer is None or want == self._applied_pause:
             return
         assigned = self._consumer.assignment()
@@ -380,9 +405,12 @@ class RequestConsumer:
     # Rebalances --------------------------------------------------------------------------------
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
-        # Fetched records not handed out yet are simply dropped: the next owner reads them.
-        self._buffer = deque(item for item in self._buffer
-                             if TopicPartition(item[0].topic, item[0].partition) not in revoked)
+        # Nothing is fetched until the next assignment (which starts at the committed offsets):
+        # records fetched meanwhile would only be dropped again. Fetched records not handed out
+        # yet are dropped: the next owner reads them from the committed offset.
+        self._rebalancing = True
+        self._apply_pause()
+        self._drop_buffered(revoked)
         states = [self._parts[tp] for tp in revoked if tp in self._parts]
         if not states:
             return  # the first join "revokes" the empty assignment
@@ -398,6 +426,7 @@ class RequestConsumer:
             committed = {}
         for state in states:
             self._parts.pop(state.tp, None)
+        self._drop_buffered(revoked)  # whatever a fetch in progress added meanwhile
         if pending:
             self.abandoned += pending
             log.warning("revocation of %d partition(s): %d record(s) still in flight after %.1fs "
@@ -408,19 +437,63 @@ class RequestConsumer:
         self._changed.set()
         self._update_flow()
 
-    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        # Start each partition at its committed offset, explicitly: records the fetcher returned
+        # before this callback ran were dropped (no state yet), and must be read again. Paused
+        # meanwhile (a new assignment starts unpaused in aiokafka); _update_flow decides below.
+        if assigned:
+            self._consumer.pause(*assigned)
+        self._applied_pause = True
+        starts = {}
+        for tp in sorted(assigned):
+            starts[tp] = await self._start_position(tp)
         self._generation += 1
         self.assignments += 1
         for tp in list(self._parts):
             if tp not in assigned:  # left over from a revocation that did not run
                 self._parts.pop(tp)
         for tp in assigned:
-            self._parts.setdefault(tp, _PartitionState(tp, self._generation))
-        # A new assignment starts unpaused in aiokafka: carry our pause state over.
-        self._applied_pause = False
+            state = self._parts.get(tp)
+            if state is None or state.tracker.in_flight == 0:
+                self._parts[tp] = _PartitionState(tp, self._generation, starts[tp])
+            else:  # kept from a revocation that did not run: its records are still in flight
+                state.generation = self._generation
+        self._rebalancing = False
         self._update_flow()
         log.info("partitions assigned (assignment #%d of this member): %s", self._generation,
                  ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(assigned)) or "none")
+
+    async def _start_position(self, tp: TopicPartition) -> int | None:
+        """Seek `tp` to where this member should read it from; return that offset."""
+        try:
+            committed = await self._consumer.committed(tp)
+            if committed is not None:
+                self._consumer.seek(tp, committed)
+                return committed
+            reset = self._config["auto_offset_reset"]
+            if reset == "earliest":
+                await self._consumer.seek_to_beginning(tp)
+            elif reset == "latest":
+                await self._consumer.seek_to_end(tp)
+            return await asyncio.wait_for(self._consumer.position(tp), 10)
+        except Exception:
+            log.warning("could not position %s:%d at its committed offset; aiokafka's own reset "
+                        "applies", tp.topic, tp.partition, exc_info=True)
+            return None
+
+    def _rewind(self, state: _PartitionState, dropped: int) -> None:
+        """Make the consumer read `state`'s partition again from the first offset not handed out
+        (or from the `dropped` record's offset, when the assignment's start is unknown)."""
+        if not self._stopping:
+            expected = state.expected
+            self._consumer.seek(state.tp, dropped if expected is None else expected)
+
+    def _drop_buffered(self, tps: set[TopicPartition]) -> None:
+        """Forget fetched records of `tps` not handed out yet (in place: a fetch may be adding)."""
+        kept = [item for item in self._buffer
+                if TopicPartition(item[0].topic, item[0].partition) not in tps]
+        self._buffer.clear()
+        self._buffer.extend(kept)
 
     async def _wait_done(self, tps: set[TopicPartition], timeout: float) -> int:
         """Wait until the given partitions have nothing in flight; returns how many still do."""

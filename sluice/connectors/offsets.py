@@ -53,6 +53,11 @@ class OffsetTracker:
             queue.popleft()
         return True
 
+    @property
+    def next_offset(self) -> int | None:
+        """One past the newest offset handed out; None before the first."""
+        return self._next
+
     def is_running(self, offset: int) -> bool:
         """True when `offset` was handed out and is not done yet."""
         return offset in self._running

@@ -7,9 +7,11 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,13 +30,24 @@ class PipelineProcess:
     """One `sluice run` process; its log goes to a file for the test's failure message."""
 
     def __init__(self, bootstrap: str, redis_url: str | None, prefix: str, log_dir: Path, *extra: str,
-                 name: str = "pipeline"):
+                 name: str = "pipeline", env: dict[str, str] | None = None, group: str | None = None):
+        self.name = name
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        # A consumer group of the test's own (default: the topic prefix; roles append -ROLE): a
+        # shared group would rebalance with every other `sluice run` on the same broker.
         args = [sys.executable, "-m", "sluice", "run", "--bootstrap-servers", bootstrap,
-                "--topic-prefix", prefix, "--partitions", "4", *ENGINE_FLAGS, *extra]
+                "--topic-prefix", prefix, "--group", group or prefix, "--partitions", "4", *ENGINE_FLAGS, *extra]
         args += ["--redis-url", redis_url] if redis_url else ["--no-sessions"]
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -47,7 +60,14 @@ class PipelineProcess:
         raise AssertionError(f"sluice run not ready in {timeout} s:\n{self.tail()}")
 
     def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return f"--- {self.name} ---\n" + "\n".join(self.text().splitlines()[-n:])
+
+    def proc_status(self, field: str) -> int:
+        """A memory figure of the process from /proc/PID/status (VmRSS, VmHWM, ...), in KiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise KeyError(field)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -75,6 +95,22 @@ async def publish(bootstrap: str, topic: str, messages: list[tuple[bytes | None,
         await producer.flush()
     finally:
         await producer.stop()
+
+
+TOPICS = ["the sea", "mountains", "a robot", "coffee", "the moon", "trains", "cats", "rain", "bread", "music"]
+
+
+def fifty_requests() -> list[dict]:
+    """The acceptance workload: 50 greedy requests, a third of them chat, 8 to 16 tokens each."""
+    out = []
+    for i in range(50):
+        topic = TOPICS[i % len(TOPICS)]
+        if i % 3 == 0:
+            fields = {"messages": [{"role": "user", "content": f"Write one sentence about {topic}."}]}
+        else:
+            fields = {"prompt": f"Request {i}: a short note about {topic} says"}
+        out.append({"request_id": f"req-{i:02d}", "temperature": 0, "max_tokens": 8 + i % 9, **fields})
+    return out
 
 
 def request(request_id: str, **fields) -> tuple[bytes, bytes]:
@@ -157,3 +193,98 @@ async def committed_everything(bootstrap: str, topic: str, group: str, timeout: 
             await admin.close()
     finally:
         await consumer.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> dict[str, list]:
+    """The process's Prometheus metrics: sample name -> [(labels, value), ...]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples: dict[str, list] = defaultdict(list)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name].append((sample.labels, sample.value))
+    return samples
+
+
+def value(samples: dict[str, list], name: str, default: float | None = None, **labels: str) -> float:
+    """The one sample of `name` whose labels include `labels` (`default` when there is none)."""
+    found = [v for ls, v in samples.get(name, []) if all(ls.get(k) == w for k, w in labels.items())]
+    if not found and default is not None:
+        return default
+    assert len(found) == 1, (name, labels, samples.get(name))
+    return found[0]
+
+
+class Watcher:
+    """Reads the tokens and dead-letter topics in the background into `streams`, so a test can
+    act (kill a process, publish the next turn) the moment a condition holds."""
+
+    def __init__(self, bootstrap: str, prefix: str):
+        self.bootstrap = bootstrap
+        self.streams = Streams()
+        self.records = 0
+        self.positions: dict = {}  # TopicPartition -> next offset to read
+        self._consumer = AIOKafkaConsumer(f"{prefix}.tokens", f"{prefix}.dlq", bootstrap_servers=bootstrap,
+                                          auto_offset_reset="earliest", enable_auto_commit=False,
+                                          metadata_max_age_ms=1000)
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> Watcher:
+        await self._consumer.start()
+        self._task = asyncio.ensure_future(self._read())
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._consumer.stop()
+
+    async def _read(self) -> None:
+        while True:
+            batch = await self._consumer.getmany(timeout_ms=200)
+            for tp, records in batch.items():
+                for record in records:
+                    self.records += 1
+                    self.positions[tp] = record.offset + 1
+                    event = json.loads(record.value)
+                    if tp.topic.endswith(".dlq"):
+                        self.streams.dead_letters.append(event)
+                    else:
+                        self.streams.events[event["request_id"]].append(event)
+
+    async def wait_for(self, condition, timeout: float, what: str = "condition") -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not condition(self.streams):
+            if self._task.done():
+                self._task.result()
+            if loop.time() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            await asyncio.sleep(0.05)
+
+    async def caught_up(self, timeout: float = 30) -> Streams:
+        """Wait until every event written so far has been read (e.g. right after a SIGKILL, to know
+        exactly which events the killed process got out)."""
+        probe = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        await probe.start()
+        try:
+            partitions = list(self._consumer.assignment())
+            ends = await probe.end_offsets(partitions)
+        finally:
+            await probe.stop()
+        await self.wait_for(lambda _: all(self.positions.get(tp, 0) >= end for tp, end in ends.items()),
+                            timeout, "the watcher to read up to the end of its topics")
+        return self.streams
+
+    async def wait_finals(self, expected: set[str], timeout: float) -> Streams:
+        await self.wait_for(lambda s: all(s.finals(rid) for rid in expected), timeout,
+                            f"final events of {len(expected)} requests")
+        return self.streams

@@ -335,6 +335,64 @@ async def test_async_iteration_counts_only_records_handed_out(bootstrap_servers)
     assert await group_offsets(bootstrap_servers, group) == {0: 5}
 
 
+async def test_rebalances_while_iterating_at_the_bound_lose_nothing(bootstrap_servers):
+    """The pipeline's way of consuming (async iteration, work finishing later, max_in_flight
+    reached) while the group rebalances again and again: every record is handed out and
+    committed. A regression: a rebalance during a fetch used to drop the fetched records (the
+    fetch appended them to a buffer the revocation had replaced), then a commit passed them."""
+    partitions, total = 4, 400
+    topic, other = await new_topic(bootstrap_servers, partitions), await new_topic(bootstrap_servers, 1)
+    group = unique("group")
+    await produce(bootstrap_servers, topic, total, partitions=partitions)
+    handed: list[tuple[int, int]] = []
+    rnd = random.Random(11)
+    c = consumer(bootstrap_servers, topic, group, max_in_flight=8, drain_timeout=10)
+
+    async def work(record) -> None:
+        await asyncio.sleep(rnd.uniform(0.05, 0.1))  # the bound is reached: fetches wait paused
+        c.done(record)
+
+    async def consume() -> None:
+        tasks = set()
+        async for record in c:
+            handed.append((record.partition, record.offset))
+            task = asyncio.create_task(work(record))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(0.002)  # handing over to the next actor takes a moment
+        await asyncio.gather(*tasks)
+
+    async def commit_every_so_often() -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            await c.commit_done()
+
+    async def intrude() -> None:
+        # Another member joins the group (on another topic) and leaves: two rebalances a time.
+        while True:
+            async with consumer(bootstrap_servers, other, group) as visitor:
+                await visitor.poll(timeout=0.2)
+            await asyncio.sleep(0.1)
+
+    async with c:
+        jobs = [asyncio.create_task(job()) for job in (consume, commit_every_so_often, intrude)]
+        try:
+            await wait_for(lambda: len(set(handed)) >= total, 60, "every record")
+        finally:
+            for job in jobs[1:]:
+                job.cancel()
+            await asyncio.gather(*jobs[1:], return_exceptions=True)
+        await wait_for(lambda: c.in_flight == 0, 10, "the last records")
+        await c.commit_done()
+        rebalances = c.assignments
+    jobs[0].cancel()
+    await asyncio.gather(jobs[0], return_exceptions=True)
+
+    assert rebalances >= 4
+    assert set(handed) == {(i % partitions, i // partitions) for i in range(total)}
+    assert await group_offsets(bootstrap_servers, group) == {p: total // partitions for p in range(partitions)}
+
+
 async def test_stop_waits_for_in_flight_records_then_commits(bootstrap_servers):
     topic, group = await new_topic(bootstrap_servers, 1), unique("group")
     await produce(bootstrap_servers, topic, 5, partitions=1)

@@ -10,23 +10,10 @@ import redis.asyncio as aioredis
 
 from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
-from pipeline_harness import PipelineProcess, collect, committed_everything, new_prefix, publish, request
+from pipeline_harness import (PipelineProcess, collect, committed_everything, fifty_requests, new_prefix, publish,
+                              request)
 
 pytestmark = pytest.mark.integration
-
-TOPICS = ["the sea", "mountains", "a robot", "coffee", "the moon", "trains", "cats", "rain", "bread", "music"]
-
-
-def fifty_requests() -> list[dict]:
-    out = []
-    for i in range(50):
-        topic = TOPICS[i % len(TOPICS)]
-        if i % 3 == 0:
-            fields = {"messages": [{"role": "user", "content": f"Write one sentence about {topic}."}]}
-        else:
-            fields = {"prompt": f"Request {i}: a short note about {topic} says"}
-        out.append({"request_id": f"req-{i:02d}", "temperature": 0, "max_tokens": 8 + i % 9, **fields})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +43,7 @@ async def test_fifty_requests_stream_complete_and_match_the_engine(bootstrap_ser
                       [request(b["request_id"], **{k: v for k, v in b.items() if k != "request_id"})
                        for b in bodies])
         streams = await collect(bootstrap_servers, prefix, {b["request_id"] for b in bodies})
-        assert await committed_everything(bootstrap_servers, f"{prefix}.requests", "sluice")
+        assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
     finally:
         code = pipeline.stop()
     assert code == 0, pipeline.tail()
@@ -95,7 +82,7 @@ async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete
         await publish(bootstrap_servers, f"{prefix}.requests", messages)
         expected = {"ok-1", "ok-2", "missing-prompt", "wrong-type", "out-of-range", "too-long", "old-version"}
         streams = await collect(bootstrap_servers, prefix, expected, dlq_expected=1)
-        assert await committed_everything(bootstrap_servers, f"{prefix}.requests", "sluice")
+        assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
     finally:
         pipeline.stop()
 
