@@ -113,7 +113,7 @@ class LLMEngine:
         self._pending: list[StepOutput] = []  # finals of aborted requests, returned by the next step
         self._ids = itertools.count()
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.kv_caches)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model_obj.parameters())
+        weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model_obj.parameters(), model_obj.buffers()))
         log.info(
             "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s; weights %.0f MiB; "
             "KV cache %d blocks x %d tokens (%.0f MiB, %d tokens); max_model_len %d; "

@@ -14,7 +14,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .config import ModelConfig
 from .errors import EngineError
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RotaryEmbedding, apply_rotary, full_width
 
 
 class RMSNorm(nn.Module):
@@ -32,6 +32,47 @@ class RMSNorm(nn.Module):
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+# On the CPU the projection weights are handed to oneDNN once, reordered into its blocked layout
+# (`torch.ops.mkldnn._reorder_linear_weight`, what torch.compile's CPU backend does too), and every
+# matmul then runs oneDNN's kernel on them. Measured on SmolLM2's shapes (2 cores, AVX-512):
+# float32 1.5x faster at 1 row, ~1.5x at 64, ~1.25x at 2048 than F.linear's BLAS call; bfloat16
+# ~1.35x at 64 rows. Where the op is missing or disagrees with F.linear, weights stay as they are.
+PACK_BATCH_HINT = 64  # the row count oneDNN tunes the layout for (decode batches); any count works
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-packed form of a [N, K] weight, or None where that path is not available."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or mkldnn is None:
+        return None
+    try:
+        packed = mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        got = mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        want = F.linear(x, weight)
+        tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item()):
+            return None
+        return packed
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, for plain or oneDNN-packed weights."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def _pack_attribute(module: nn.Module, name: str, packed: torch.Tensor) -> None:
+    """Replace parameter `name` of `module` by its packed form (a buffer, same attribute name)."""
+    delattr(module, name)
+    module.register_buffer(name, packed, persistent=False)
 
 
 class DecoderLayer(nn.Module):
@@ -54,21 +95,32 @@ class DecoderLayer(nn.Module):
         self.down_weight = _param(w["mlp.down_proj.weight"])
         self.inter = c.intermediate_size
 
+    def pack_weights(self) -> bool:
+        """Pack the four projection weights for oneDNN (see PACK_BATCH_HINT); False if unavailable."""
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        packed = [pack_linear_weight(getattr(self, n)) for n in names]
+        if any(p is None for p in packed):
+            return False
+        for name, p in zip(names, packed):
+            _pack_attribute(self, name, p)
+        return True
+
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         t = x.shape[0]
         h = self.input_norm(x)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.hq, self.d), cos, sin)
-        k = apply_rotary(k.view(t, self.hkv, self.d), cos, sin)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        # q and k heads side by side: one rotary pass over [T, Hq + Hkv, D]
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d), cos, sin)
+        q, k = qk.split([self.hq, self.hkv], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
         k_cache, v_cache = kv_cache
-        write_kv(k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta.slot_mapping)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        x = x + F.linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        write_kv(k, v, k_cache, v_cache, meta)
+        attn = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+        x = x + linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
 
         h = self.post_attn_norm(x)
-        gate, up = F.linear(h, self.gate_up_weight).split([self.inter, self.inter], dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(h, self.gate_up_weight).split([self.inter, self.inter], dim=-1)
+        return x + linear(F.silu(gate).mul_(up), self.down_weight)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -139,6 +191,28 @@ class CausalLM(nn.Module):
         self.norm = norm
         self.lm_head_weight = self.embed_weight if lm_head is None else _param(lm_head)
         self.rotary = RotaryEmbedding(config, device=device)
+        self.packed = False
+
+    def pack_weights(self) -> bool:
+        """Hand the matmul weights to oneDNN in its packed layout (CPU only; see PACK_BATCH_HINT).
+
+        A tied LM head gets a packed copy of its own (the embedding lookup needs the plain matrix).
+        Returns False, changing nothing, where the packed path is unavailable."""
+        if self.packed:
+            return True
+        head = pack_linear_weight(self.lm_head_weight)
+        if head is None or not self.layers[0].pack_weights():
+            return False
+        for layer in self.layers[1:]:
+            if not layer.pack_weights():
+                raise RuntimeError("oneDNN packed the first layer's weights but not a later one's")
+        if self.lm_head_weight is self.embed_weight:
+            del self.lm_head_weight  # the attribute, not the (shared) parameter
+            self.register_buffer("lm_head_weight", head, persistent=False)
+        else:
+            _pack_attribute(self, "lm_head_weight", head)
+        self.packed = True
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,13 +239,15 @@ class CausalLM(nn.Module):
         embed = get("model.embed_tokens.weight")
         lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
         norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
-        return cls(config, layers, embed, norm, lm_head, device).eval()
+        model = cls(config, layers, embed, norm, lm_head, device).eval()
+        model.pack_weights()
+        return model
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions [T] -> final-norm hidden states [T, H]."""
         x = F.embedding(input_ids, self.embed_weight)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = full_width(*self.rotary.cos_sin(positions, x.dtype))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)
@@ -183,4 +259,4 @@ class CausalLM(nn.Module):
         The matmul runs in the model dtype (bf16 matmuls accumulate in float32 and round once at
         the end) and is then upcast, as vLLM and transformers do, rather than keeping a float32
         copy of the vocabulary matrix."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()

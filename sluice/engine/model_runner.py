@@ -1,6 +1,7 @@
 """Turns a ScheduledBatch into tensors, runs one forward over the flat batch, returns logits.
 
-It owns the paged KV cache: per layer a K and a V tensor of [num_blocks, block_size, Hkv, D].
+It owns the paged KV cache: per layer a K and a V tensor of [num_blocks, Hkv, block_size, D]
+(`attention.kv_cache_shape`).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 import torch
 
-from .attention import build_metadata
+from .attention import build_metadata, kv_cache_shape
 from .config import EngineConfig, ModelConfig
 from .errors import EngineError
 from .model import CausalLM
@@ -71,7 +72,7 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
         self.device = model.device
-        shape = (num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        shape = kv_cache_shape(num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
             for _ in range(config.num_hidden_layers)

@@ -99,8 +99,20 @@ class RotaryEmbedding(torch.nn.Module):
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
+def full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 1, D/2] cos, sin -> [T, 1, D] (cos, cos) and (-sin, sin): the layout in which
+    `apply_rotary` needs four operations instead of seven (build once per step, use in every layer)."""
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]: rotate the pairs (i, i + D/2), i.e. x*cos + rotate_half(x)*sin."""
+    """x [T, H, D]: rotate the pairs (i, i + D/2), i.e. x*cos + rotate_half(x)*sin.
+
+    cos, sin: [T, 1, D/2] from `cos_sin`, or [T, 1, D] from `full_width`. Both give HF's
+    (x1*cos - x2*sin, x2*cos + x1*sin) bit for bit: adding a negated product is exactly
+    subtracting it."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if cos.shape[-1] == x.shape[-1]:
+        return (x * cos).add_(torch.cat((x2, x1), dim=-1).mul_(sin))
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

