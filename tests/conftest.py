@@ -15,6 +15,14 @@ import logging
 import os
 from dataclasses import dataclass
 
+# Triton decides at decoration time whether a kernel is compiled or interpreted, so the switch must
+# be set before any kernel module is imported. Without a GPU the kernels run in Triton's CPU
+# interpreter; a developer on a GPU machine gets the compiled kernels unless they set it themselves.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from sluice.connectors.kafka_broker import metadata_ok
