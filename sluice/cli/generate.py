@@ -24,6 +24,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--quantization", choices=["int8"], help="int8: weight-only, per output channel "
+                       "(about 4x smaller weights than float32)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                       help="KV cache element type: auto (the model dtype), int8 (per block and head "
+                       "scales), fp8 (e4m3, CUDA)")
+    group.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                       help="auto: fused Triton kernels on CUDA, torch on the CPU")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -32,6 +39,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kernels=args.kernels,
     )
 
 

@@ -153,6 +153,7 @@ class TorchPlan:
     decodes: _Decodes | None
     prefills: list[_Prefill]
     write_rows: torch.Tensor | None = None  # [T * Hkv] cache rows written by write_kv
+    planned_decodes: bool = True  # False: `decodes` was not planned (None even if there are some)
 
 
 def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.ndarray, bs: int, win: int | None, dev) -> _Decodes:
@@ -204,10 +205,13 @@ def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.nd
     )
 
 
-def plan_torch(meta: AttentionMetadata, num_kv_heads: int) -> TorchPlan:
-    """Indices and masks for this step, built once on the host and cached on `meta`."""
-    if meta.torch_plan is not None:
-        return meta.torch_plan
+def plan_torch(meta: AttentionMetadata, num_kv_heads: int, with_decodes: bool = True) -> TorchPlan:
+    """Indices and masks for this step, built once on the host and cached on `meta`.
+
+    with_decodes=False skips planning the decodes (a decode kernel reads the cache itself)."""
+    cached = meta.torch_plan
+    if cached is not None and (cached.planned_decodes or not with_decodes):
+        return cached
     bs, win = meta.block_size, meta.sliding_window
     if bs is None:
         raise ValueError("AttentionMetadata.block_size is needed by the torch attention path")
@@ -224,7 +228,7 @@ def plan_torch(meta: AttentionMetadata, num_kv_heads: int) -> TorchPlan:
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     dec = np.flatnonzero(qlens == 1)
-    decodes = _plan_decodes(dec, slens, qsl, bt, bs, win, dev) if len(dec) else None
+    decodes = _plan_decodes(dec, slens, qsl, bt, bs, win, dev) if len(dec) and with_decodes else None
 
     prefills = []
     heads = np.arange(num_kv_heads)[:, None]
@@ -242,7 +246,7 @@ def plan_torch(meta: AttentionMetadata, num_kv_heads: int) -> TorchPlan:
             mask = dev(mask)
         blocks = dev((bt[b, : -(-length // bs)][None, :] * num_kv_heads + heads).reshape(-1))
         prefills.append(_Prefill(start, start + q, blocks, length, mask, ctx == 0))
-    meta.torch_plan = TorchPlan(decodes, prefills)
+    meta.torch_plan = TorchPlan(decodes, prefills, planned_decodes=with_decodes)
     return meta.torch_plan
 
 
@@ -304,8 +308,17 @@ def paged_attention(
         o = _decode_attention(qd, k_cache, v_cache, p, scale)
         out.index_copy_(0, p.tokens, o.view(-1, hq, d))
 
+    _prefill_attention(q, k_cache, v_cache, plan.prefills, out, scale, k, v)
+    return out
+
+
+def _prefill_attention(q, k_cache, v_cache, prefills: list[_Prefill], out, scale: float, k=None, v=None) -> None:
+    """Each prefill chunk through SDPA, into `out` (its own K/V when it starts its sequence)."""
+    t, hq, d = q.shape
+    _, hkv, bs, _ = k_cache.shape
+    group = hq // hkv
     kblocks, vblocks = k_cache.view(-1, bs * d), v_cache.view(-1, bs * d)
-    for p in plan.prefills:
+    for p in prefills:
         qi = q[p.start : p.end].transpose(0, 1)  # [Hq, Lq, D]
         if p.start_of_seq and k is not None:  # no context: attend to this step's own K/V
             ki, vi = k[p.start : p.end].transpose(0, 1), v[p.start : p.end].transpose(0, 1)
@@ -316,4 +329,3 @@ def paged_attention(
             qi, ki, vi, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
         )
         out[p.start : p.end] = o.transpose(0, 1)
-    return out

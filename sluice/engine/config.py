@@ -149,6 +149,10 @@ def normalize_rope_scaling(params: dict, rope_type: str, source: str) -> dict | 
     return out
 
 
+QUANTIZATIONS = (None, "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -160,6 +164,33 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16"
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # "auto": fused Triton kernels on CUDA, torch on the CPU; "torch" or "triton" forces one.
+    kernels: str = "auto"
+    quantization: str | None = None  # None | "int8" (weight-only, per output channel)
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3, CUDA)
+
+    def __post_init__(self):
+        if self.quantization not in QUANTIZATIONS:
+            raise EngineError(
+                f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATIONS)}",
+                field="quantization",
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineError(
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}",
+                field="kv_cache_dtype",
+            )
+
+    @property
+    def kv_torch_dtype(self):
+        """The element type of the KV cache."""
+        import torch
+
+        if self.kv_cache_dtype == "int8":
+            return torch.int8
+        if self.kv_cache_dtype == "fp8":
+            return torch.float8_e4m3fn
+        return self.torch_dtype
 
     @property
     def torch_dtype(self):

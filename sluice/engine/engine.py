@@ -33,6 +33,8 @@ from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import LoadedModel, load_model
 from sluice.engine.model import CausalLM
+from sluice.engine.kernels import resolve_backend
+from sluice.engine.memory import memory_report
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timings, Usage
 from sluice.engine.sampler import Sampler, TokenLogprobs
@@ -96,15 +98,17 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.kernels = resolve_backend(self.config.kernels, torch.device(self.config.device).type)
         model_obj = CausalLM.from_state_dict(
             self.model_config, self.loaded.tensors, dtype=self.config.torch_dtype,
-            device=self.config.device, source=self.loaded.source,
+            device=self.config.device, source=self.loaded.source, quantization=self.config.quantization,
         )
+        model_obj.use_kernels(self.kernels)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         num_blocks = num_kv_blocks(self.model_config, self.config)
         self.runner = ModelRunner(model_obj, self.model_config, self.config, num_blocks)
         self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(kernels=self.kernels)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -112,16 +116,18 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._pending: list[StepOutput] = []  # finals of aborted requests, returned by the next step
         self._ids = itertools.count()
-        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.runner.kv_caches)
-        weight_bytes = sum(t.numel() * t.element_size() for t in itertools.chain(model_obj.parameters(), model_obj.buffers()))
+        self.memory = memory_report(self.model_config, self.config, model_obj, self.runner)
+        m = self.memory
         log.info(
-            "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s; weights %.0f MiB; "
-            "KV cache %d blocks x %d tokens (%.0f MiB, %d tokens); max_model_len %d; "
+            "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s, kernels %s; "
+            "weights %.0f MiB (%s, %.1fx smaller than %s); KV cache %d blocks x %d tokens "
+            "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); max_model_len %d; "
             "max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
             time.monotonic() - started, self.model_id, self.model_config.architecture,
-            self.model_config.num_hidden_layers, self.config.dtype, self.config.device,
-            weight_bytes / 2**20, num_blocks, self.config.block_size, kv_bytes / 2**20,
-            num_blocks * self.config.block_size, self.max_model_len,
+            self.model_config.num_hidden_layers, self.config.dtype, self.config.device, self.kernels,
+            m.weight_bytes / 2**20, self.config.quantization or "unquantized", m.weight_shrink, self.config.dtype,
+            num_blocks, self.config.block_size, m.kv_cache_bytes / 2**20, m.kv_dtype, m.kv_tokens,
+            m.kv_tokens_gain, self.config.dtype, self.max_model_len,
             self.config.max_num_batched_tokens, self.config.max_num_seqs,
             "on" if self.config.enable_prefix_caching else "off",
         )

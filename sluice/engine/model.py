@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention, write_kv
+from .attention import AttentionMetadata
+from .attention_backend import attend
 from .config import ModelConfig
 from .errors import EngineError
 from .rope import RotaryEmbedding, apply_rotary, full_width
@@ -94,10 +95,32 @@ class DecoderLayer(nn.Module):
         self.gate_up_weight = _param(torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]))
         self.down_weight = _param(w["mlp.down_proj.weight"])
         self.inter = c.intermediate_size
+        self.eps = c.rms_norm_eps
+        self.kernels = "torch"  # or "triton": see CausalLM.use_kernels
+        self.int8 = False
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for the four projections: per output channel scales (buffers
+        `<name>_q` int8 [N, K] and `<name>_scale` float32 [N]); the float weights are dropped."""
+        from .kernels.int8_linear import quantize_int8
+
+        for name in PROJECTIONS:
+            q, scale = quantize_int8(getattr(self, name).data)
+            delattr(self, name)
+            self.register_buffer(name + "_q", q, persistent=False)
+            self.register_buffer(name + "_scale", scale, persistent=False)
+        self.int8 = True
+
+    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.int8:
+            return int8_linear(x, getattr(self, name + "_q"), getattr(self, name + "_scale"), bias, self.kernels)
+        return linear(x, getattr(self, name), bias)
 
     def pack_weights(self) -> bool:
         """Pack the four projection weights for oneDNN (see PACK_BATCH_HINT); False if unavailable."""
-        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        if self.int8:
+            return False
+        names = PROJECTIONS
         packed = [pack_linear_weight(getattr(self, n)) for n in names]
         if any(p is None for p in packed):
             return False
@@ -106,21 +129,52 @@ class DecoderLayer(nn.Module):
         return True
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        """The torch path: x [T, H] -> [T, H]; cos, sin from `rope.full_width`."""
         t = x.shape[0]
         h = self.input_norm(x)
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)
+        qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         # q and k heads side by side: one rotary pass over [T, Hq + Hkv, D]
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d), cos, sin)
         q, k = qk.split([self.hq, self.hkv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
-        k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta)
-        attn = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
-        x = x + linear(attn.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        attn = attend(q, k, v, kv_cache, meta, self.scale)
+        x = x + self._linear(attn.reshape(t, self.q_size), "o_weight", self.o_bias)
 
         h = self.post_attn_norm(x)
-        gate, up = linear(h, self.gate_up_weight).split([self.inter, self.inter], dim=-1)
-        return x + linear(F.silu(gate).mul_(up), self.down_weight)
+        gate, up = self._linear(h, "gate_up_weight").split([self.inter, self.inter], dim=-1)
+        return x + self._linear(F.silu(gate).mul_(up), "down_weight")
+
+    def forward_fused(self, x, residual, cos, sin, meta: AttentionMetadata, kv_cache):
+        """The Triton path, residual stream kept apart: (x, residual) -> (x, residual), where the
+        layer's input is x + residual (residual None: x alone). cos, sin [T, D/2] float32."""
+        from .kernels.activation import silu_and_mul_triton
+        from .kernels.norm import add_rmsnorm_triton
+        from .kernels.rotary import rotary_triton_
+
+        t = x.shape[0]
+        h, residual = add_rmsnorm_triton(x, residual, self.input_norm.weight, self.eps)
+        qkv = self._linear(h, "qkv_weight", self.qkv_bias)
+        q = qkv[:, : self.q_size].view(t, self.hq, self.d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
+        rotary_triton_(q, k, cos, sin)
+        attn = attend(q, k, v, kv_cache, meta, self.scale, kernels="triton")
+        x = self._linear(attn.reshape(t, self.q_size), "o_weight", self.o_bias)
+        h, residual = add_rmsnorm_triton(x, residual, self.post_attn_norm.weight, self.eps)
+        return self._linear(silu_and_mul_triton(self._linear(h, "gate_up_weight")), "down_weight"), residual
+
+
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+
+def int8_linear(x, q, scale, bias, kernels: str) -> torch.Tensor:
+    if kernels == "triton":
+        from .kernels.int8_linear import int8_linear_triton
+
+        return int8_linear_triton(x, q, scale, bias)
+    from .kernels.int8_linear import int8_linear_torch
+
+    return int8_linear_torch(x, q, scale, bias)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -192,6 +246,50 @@ class CausalLM(nn.Module):
         self.lm_head_weight = self.embed_weight if lm_head is None else _param(lm_head)
         self.rotary = RotaryEmbedding(config, device=device)
         self.packed = False
+        self.kernels = "torch"
+        self.int8 = False
+        self.float_dtype = self.embed_weight.dtype
+
+    def use_kernels(self, kernels: str) -> None:
+        """"torch" or "triton" (resolved by `kernels.resolve_backend`) for every layer."""
+        self.kernels = kernels
+        for layer in self.layers:
+            layer.kernels = kernels
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 everywhere a matrix is multiplied: the four projections of every layer
+        and the vocabulary matrices. The embedding's rows are the tied LM head's output channels,
+        so one int8 copy with per-row scales serves both the lookup and the head. Norm weights stay
+        in the model dtype. Replaces oneDNN packing (the two are not combined)."""
+        from .kernels.int8_linear import quantize_int8
+
+        if self.packed:
+            raise RuntimeError("quantize before packing: packed weights cannot be quantized")
+        for layer in self.layers:
+            layer.quantize_int8()
+        tied = self.lm_head_weight is self.embed_weight
+        embed_q, embed_scale = quantize_int8(self.embed_weight.data)
+        head = None if tied else quantize_int8(self.lm_head_weight.data)
+        del self.lm_head_weight, self.embed_weight
+        self.register_buffer("embed_q", embed_q, persistent=False)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
+        head_q, head_scale = head or (embed_q, embed_scale)
+        self.register_buffer("head_q", head_q, persistent=False)
+        self.register_buffer("head_scale", head_scale, persistent=False)
+        self.int8 = True
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as held (a tensor shared by two names counted once)."""
+        seen, total = set(), 0
+        for t in list(self.parameters()) + list(self.buffers()):
+            if t.is_mkldnn:
+                total += t.numel() * t.element_size()
+                continue
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     def pack_weights(self) -> bool:
         """Hand the matmul weights to oneDNN in its packed layout (CPU only; see PACK_BATCH_HINT).
@@ -216,15 +314,18 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_weight.dtype
+        return self.float_dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_weight.device
+        return self.norm.weight.device
 
     @classmethod
-    def from_state_dict(cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", source: str = "state dict") -> "CausalLM":
-        """Build from HF-named tensors (they are cast and moved; the dict itself is not changed)."""
+    def from_state_dict(cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype=torch.float32, device="cpu",
+                        source: str = "state dict", quantization: str | None = None) -> "CausalLM":
+        """Build from HF-named tensors (they are cast and moved; the dict itself is not changed).
+
+        quantization "int8": weight-only int8 (`quantize_int8`); else the CPU packs for oneDNN."""
         dtype = _to_dtype(dtype)
         check_tensors(config, tensors, source)
 
@@ -240,17 +341,39 @@ class CausalLM(nn.Module):
         lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
         norm = RMSNorm(get("model.norm.weight"), config.rms_norm_eps)
         model = cls(config, layers, embed, norm, lm_head, device).eval()
-        model.pack_weights()
+        if quantization == "int8":
+            model.quantize_int8()
+        elif quantization is not None:
+            raise EngineError(f"unsupported quantization {quantization!r}", field="quantization")
+        else:
+            model.pack_weights()
         return model
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            rows = F.embedding(input_ids, self.embed_q).to(self.float_dtype)
+            return rows * self.embed_scale[input_ids].unsqueeze(1).to(self.float_dtype)
+        return F.embedding(input_ids, self.embed_weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions [T] -> final-norm hidden states [T, H]."""
-        x = F.embedding(input_ids, self.embed_weight)
+        x = self.embed(input_ids)
+        if self.kernels == "triton":
+            return self._forward_fused(x, positions, meta, kv_caches)
         cos, sin = full_width(*self.rotary.cos_sin(positions, x.dtype))
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         return self.norm(x)
+
+    def _forward_fused(self, x, positions, meta, kv_caches) -> torch.Tensor:
+        from .kernels.norm import add_rmsnorm_triton
+
+        cos, sin = (c.squeeze(1) for c in self.rotary.cos_sin(positions, torch.float32))
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer.forward_fused(x, residual, cos, sin, meta, kv)
+        return add_rmsnorm_triton(x, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -259,4 +382,6 @@ class CausalLM(nn.Module):
         The matmul runs in the model dtype (bf16 matmuls accumulate in float32 and round once at
         the end) and is then upcast, as vLLM and transformers do, rather than keeping a float32
         copy of the vocabulary matrix."""
+        if self.int8:
+            return int8_linear(hidden, self.head_q, self.head_scale, None, self.kernels).float()
         return linear(hidden, self.lm_head_weight).float()

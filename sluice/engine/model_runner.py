@@ -1,7 +1,7 @@
 """Turns a ScheduledBatch into tensors, runs one forward over the flat batch, returns logits.
 
-It owns the paged KV cache: per layer a K and a V tensor of [num_blocks, Hkv, block_size, D]
-(`attention.kv_cache_shape`).
+It owns the paged KV cache: per layer a `LayerKVCache`, K and V of [num_blocks, Hkv, block_size, D]
+(`attention.kv_cache_shape`) in the model dtype, or quantized with per-block-and-head scales.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .attention import build_metadata, kv_cache_shape
 from .config import EngineConfig, ModelConfig
 from .errors import EngineError
 from .model import CausalLM
+from .paged_cache import LayerKVCache, bytes_per_block
 
 # CPU default KV budget when EngineConfig.kv_cache_bytes is None: a fifth of the memory the OS
 # reports available, kept between 256 MiB and 4 GiB (SmolLM2 in float32 needs 45 KiB per token,
@@ -50,8 +51,9 @@ def kv_cache_budget(engine_config: EngineConfig) -> int:
 
 def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
     """Number of KV blocks that fit the budget (never more than max_num_seqs full-length seqs need)."""
-    dtype_bytes = torch.empty(0, dtype=engine_config.torch_dtype).element_size()
-    per_block = model_config.kv_bytes_per_token(dtype_bytes) * engine_config.block_size
+    c = model_config
+    per_block = bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, engine_config.block_size,
+                                c.head_dim, engine_config.kv_torch_dtype)
     budget = kv_cache_budget(engine_config)
     n = budget // per_block
     max_len = engine_config.max_model_len or model_config.max_position_embeddings
@@ -73,10 +75,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = model.device
         shape = kv_cache_shape(num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=model.dtype, device=self.device), torch.zeros(shape, dtype=model.dtype, device=self.device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        kv_dtype = engine_config.kv_torch_dtype
+        if kv_dtype == torch.float8_e4m3fn and self.device.type != "cuda":
+            raise EngineError("kv_cache_dtype='fp8' needs a CUDA device; use 'int8' on the CPU", field="kv_cache_dtype")
+        self.kv_caches = [LayerKVCache.allocate(shape, kv_dtype, self.device) for _ in range(config.num_hidden_layers)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy-on-write of a shared last block)."""
@@ -84,9 +86,8 @@ class ModelRunner:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for cache in self.kv_caches:
+            cache.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:

@@ -122,7 +122,7 @@ def test_model_runner_execute_and_copy_blocks(tmp_path):
     assert num_kv_blocks(cfg, ec) == 32
     runner = ModelRunner(model, cfg, ec, 32)
     assert len(runner.kv_caches) == cfg.num_hidden_layers
-    assert runner.kv_caches[0][0].shape == kv_cache_shape(32, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    assert runner.kv_caches[0].k.shape == kv_cache_shape(32, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
 
     a, b = make_prompts(cfg.vocab_size, [10, 6])
     ref_a, ref_b = hf_logits(hf, [a, b])

@@ -1,0 +1,147 @@
+"""A layer's attention step: write this step's K/V into its cache, then attend, on either path.
+
+torch (the CPU default): `attention.write_kv` and `attention.paged_attention` on a cache in the
+model dtype. A quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this
+step reads are dequantized into a compact temporary cache (block tables renumbered to match), so
+the same attention code runs on it.
+
+triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
+a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their
+blocks when the cache is quantized).
+
+What each step needs beyond `AttentionMetadata` (renumbered tables, decode rows) is computed once
+on the host and cached on the metadata, shared by all layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata, _prefill_attention, paged_attention, plan_torch, write_kv
+from .paged_cache import LayerKVCache
+
+
+@dataclass
+class _Compact:
+    ids: torch.Tensor  # [U] cache blocks the step reads, ascending
+    meta: AttentionMetadata  # the step's metadata with block tables renumbered into 0..U-1
+
+
+@dataclass
+class _DecodeRows:
+    tokens: torch.Tensor  # [n] flat-batch index of each decode token
+    block_tables: torch.Tensor  # [n, max_blocks] int32
+    seq_lens: torch.Tensor  # [n] int32
+    max_seq_len: int  # known on the host: the kernel need not read it back from the device
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+           scale: float, kernels: str = "torch") -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] of this step -> attention output [T, Hq, D].
+
+    cache: a LayerKVCache, or a (k_cache, v_cache) pair in the model dtype."""
+    if not isinstance(cache, LayerKVCache):
+        cache = LayerKVCache(*cache)
+    if kernels == "triton":
+        from .kernels.kv_cache import write_kv_triton
+
+        write_kv_triton(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        return _attend_triton(q, k, v, cache, meta, scale)
+    if not cache.quantized:
+        write_kv(k, v, cache.k, cache.v, meta)
+        return paged_attention(q, cache.k, cache.v, meta, scale, k, v)
+    from .kernels.kv_cache import write_kv_torch
+
+    write_kv_torch(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    compact = _compact(meta, "_compact_all", None)
+    kc, vc = _dequantize(cache, compact.ids, q.dtype)
+    return paged_attention(q, kc, vc, compact.meta, scale, k, v)
+
+
+def _attend_triton(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from .kernels.paged_attention import paged_decode_attention_triton
+
+    hkv = cache.k.shape[1]
+    out = torch.empty_like(q)
+    rows = _decode_rows(meta)
+    if rows is not None:
+        o = paged_decode_attention_triton(
+            q.index_select(0, rows.tokens), cache.k, cache.v, rows.block_tables, rows.seq_lens, scale,
+            cache.k_scale, cache.v_scale, meta.sliding_window, max_seq_len=rows.max_seq_len,
+        )
+        out.index_copy_(0, rows.tokens, o)
+    prefills = plan_torch(meta, hkv, with_decodes=False).prefills
+    if prefills:
+        if cache.quantized:
+            qlens = _query_lens(meta)
+            compact = _compact(meta, "_compact_prefills", np.flatnonzero(qlens > 1))
+            kc, vc = _dequantize(cache, compact.ids, q.dtype)
+            prefills = plan_torch(compact.meta, hkv, with_decodes=False).prefills
+        else:
+            kc, vc = cache.k, cache.v
+        _prefill_attention(q, kc, vc, prefills, out, scale, k, v)
+    return out
+
+
+def _dequantize(cache: LayerKVCache, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from .kernels.kv_cache import dequantize_torch
+
+    return dequantize_torch(cache.k, cache.k_scale, ids, dtype), dequantize_torch(cache.v, cache.v_scale, ids, dtype)
+
+
+def _host(meta: AttentionMetadata, name: str) -> np.ndarray:
+    h = getattr(meta, name + "_host")
+    return h if h is not None else getattr(meta, name).cpu().numpy()
+
+
+def _query_lens(meta: AttentionMetadata) -> np.ndarray:
+    if meta.query_lens_host is not None:
+        return meta.query_lens_host
+    return np.diff(meta.query_start_loc.cpu().numpy())
+
+
+def _compact(meta: AttentionMetadata, key: str, seqs: np.ndarray | None) -> _Compact:
+    """The blocks that sequences `seqs` (None: all) read this step, and the metadata renumbered
+    to index them in a compact cache (other sequences' tables point at block 0: not to be read)."""
+    cached = getattr(meta, key, None)
+    if cached is not None:
+        return cached
+    bs = meta.block_size
+    tables, lens = _host(meta, "block_tables"), _host(meta, "seq_lens")
+    used = np.zeros(tables.shape, dtype=bool)
+    nblk = -(-lens // bs)
+    used[:] = np.arange(tables.shape[1])[None, :] < nblk[:, None]
+    if seqs is not None:
+        keep = np.zeros(len(lens), dtype=bool)
+        keep[seqs] = True
+        used &= keep[:, None]
+    ids = np.unique(tables[used])
+    renumbered = np.where(used, np.searchsorted(ids, tables), 0)
+    device = meta.block_tables.device
+    compact = _Compact(
+        ids=torch.from_numpy(ids).to(device),
+        meta=replace(meta, block_tables=torch.from_numpy(renumbered).to(device), block_tables_host=renumbered,
+                     torch_plan=None),
+    )
+    setattr(meta, key, compact)
+    return compact
+
+
+def _decode_rows(meta: AttentionMetadata) -> _DecodeRows | None:
+    cached = getattr(meta, "_decode_rows", False)
+    if cached is not False:
+        return cached
+    qlens = _query_lens(meta)
+    dec = np.flatnonzero(qlens == 1)
+    rows = None
+    if len(dec):
+        device = meta.block_tables.device
+        qsl = np.concatenate([[0], np.cumsum(qlens)])
+        tables, lens = _host(meta, "block_tables"), _host(meta, "seq_lens")
+        dev = lambda a, t: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=t)  # noqa: E731
+        rows = _DecodeRows(dev(qsl[dec], torch.long), dev(tables[dec], torch.int32), dev(lens[dec], torch.int32),
+                           int(lens[dec].max()))
+    meta._decode_rows = rows
+    return rows

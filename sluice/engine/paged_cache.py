@@ -1,0 +1,61 @@
+"""One layer's paged KV cache: K and V blocks and, when quantized, their scales.
+
+K and V are [num_blocks, Hkv, block_size, D] (`attention.kv_cache_shape`). In the model dtype they
+hold the values themselves. Quantized (int8, or float8 e4m3 on CUDA) each (block, KV head) has one
+float32 scale per tensor, value = stored * scale; a block's scale only grows as tokens are added,
+and earlier entries are requantized when it does (see `kernels.kv_cache`). Per block and head
+keeps outliers of one head or one stretch of context from costing the others precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@dataclass
+class LayerKVCache:
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, Hkv] float32 when quantized
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device) -> "LayerKVCache":
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        v = torch.zeros(shape, dtype=dtype, device=device)
+        if dtype not in QUANTIZED_KV_DTYPES:
+            return cls(k, v)
+        scales = shape[:2]
+        return cls(k, v, torch.zeros(scales, dtype=torch.float32, device=device),
+                   torch.zeros(scales, dtype=torch.float32, device=device))
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] (scales included)."""
+        for t in self.tensors():
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    def __iter__(self):  # `k_cache, v_cache = layer_cache`
+        return iter((self.k, self.v))
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block over all layers, K and V, scales included."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    per_layer = 2 * num_kv_heads * block_size * head_dim * element
+    if dtype in QUANTIZED_KV_DTYPES:
+        per_layer += 2 * num_kv_heads * 4
+    return num_layers * per_layer

@@ -1,0 +1,89 @@
+"""The engine on the Triton kernels (interpreted on the CPU here, compiled on CUDA) gives the same
+greedy tokens as on the torch path, for plain, int8-weight and int8-KV models, with chunked
+prefill, prefix caching and mixed prefill/decode steps. The kernels alone are checked against
+their references in tests/engine/kernels/."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine import LLMEngine
+from sluice.engine.errors import EngineError
+from sluice.engine.kernels import interpreting, resolve_backend
+from sluice.engine.loader import load_model
+from sluice.engine.sampling_params import SamplingParams
+
+from _hf_models import build
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() or interpreting()), reason="needs CUDA or TRITON_INTERPRET=1 (set by conftest)"
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+MODELS = {
+    "llama-gqa": ("llama", {}),
+    "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                              "rope_theta": 500000.0, "num_attention_heads": 6, "num_key_value_heads": 2,
+                              "hidden_size": 96}),
+}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
+    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+    return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share cached blocks
+
+
+def engine(path, kernels: str, **config) -> LLMEngine:
+    defaults = dict(kv_cache_bytes=4 << 20, block_size=4, max_num_batched_tokens=20, device=DEVICE)
+    return LLMEngine(config=EngineConfig(kernels=kernels, **{**defaults, **config}),
+                     loaded=load_model(path, load_tokenizer=False))
+
+
+def greedy(e: LLMEngine, ps) -> list[list[int]]:
+    return [r.token_ids for r in greedy_results(e, ps)]
+
+
+def greedy_results(e: LLMEngine, ps):
+    return e.generate(prompt_token_ids=ps, params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("quant", [{}, {"quantization": "int8"}, {"kv_cache_dtype": "int8"}], ids=["plain", "int8-weights", "int8-kv"])
+def test_triton_kernels_give_the_torch_paths_greedy_tokens(tmp_path, name, quant):
+    kind, overrides = MODELS[name]
+    build(kind, **overrides).save_pretrained(tmp_path)
+    on_torch, on_triton = engine(tmp_path, "torch", **quant), engine(tmp_path, "triton", **quant)
+    assert on_triton.kernels == "triton" and on_torch.kernels == "torch"
+    ps = prompts(on_torch.model_config.vocab_size)
+    assert greedy(on_triton, ps) == greedy(on_torch, ps)
+    # again, now that the shared prefix is in the cache: its blocks are read back, not recomputed
+    again_triton, again_torch = greedy_results(on_triton, ps[-2:]), greedy_results(on_torch, ps[-2:])
+    assert [r.token_ids for r in again_triton] == [r.token_ids for r in again_torch]
+    assert all(r.usage.cached_tokens >= 20 for r in again_triton)
+
+
+def test_sampling_through_the_kernel_is_seeded_and_stays_in_the_kept_set(tmp_path):
+    build("llama").save_pretrained(tmp_path)
+    e = engine(tmp_path, "triton")
+    ps = prompts(e.model_config.vocab_size)[:3]
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_tokens=8, seed=3, ignore_eos=True)
+    first = [r.token_ids for r in e.generate(prompt_token_ids=ps, params=params)]
+    again = [r.token_ids for r in e.generate(prompt_token_ids=ps, params=params)]
+    assert first == again
+    assert len({tuple(t) for t in first}) > 1  # the prompts differ, so do their draws
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(EngineError, match="TRITON_INTERPRET=1") as e:
+        resolve_backend("triton", "cpu")
+    assert e.value.field == "kernels"
+    assert resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(EngineError, match="unknown kernels"):
+        resolve_backend("fast", "cpu")
