@@ -140,8 +140,8 @@ class _Decodes:
     dup_start: int  # first row of the gathered blocks
     num_rows: int
     q_owner: torch.Tensor  # [rows] whose query each row uses (gaps use sequence 0, thrown away)
-    out_owner: torch.Tensor  # [rows] where each row's partial output goes (gaps -> n, dropped)
-    grid: torch.Tensor  # [n * maxblk] row holding block j of sequence d (padding -> row 0, masked)
+    grid: torch.Tensor  # [n * maxblk] row holding block j of sequence d (padding -> row `num_rows`,
+    #                     an extra row of zeros)
     row_grid: torch.Tensor  # [rows] inverse: grid position of each row (gaps -> 0)
     max_blocks: int
     mask: np.ndarray  # [n, 1, 1, maxblk * bs] additive 0 / -inf, float32
@@ -169,7 +169,7 @@ def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.nd
     # gathered for the others.
     uniq, first = np.unique(pair_blk, return_index=True)
     dups = np.setdiff1d(np.arange(len(pair_blk)), first, assume_unique=True)
-    q_owner, out_owner, row_grid, grid = [], [], [], np.zeros(n * maxblk, dtype=np.int64)
+    q_owner, row_grid, grid = [], [], np.full(n * maxblk, -1, dtype=np.int64)
     runs, row = [], 0
     breaks = np.flatnonzero(np.diff(uniq) > MAX_BLOCK_GAP + 1) + 1
     for a, b in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(uniq)]])):
@@ -181,17 +181,16 @@ def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.nd
         rg[uniq[a:b] - lo] = pair_grid[pairs]
         grid[pair_grid[pairs]] = row + uniq[a:b] - lo
         q_owner.append(np.where(owner == n, 0, owner))
-        out_owner.append(owner)
         row_grid.append(rg)
         runs.append((row, lo, hi - lo))
         row += hi - lo
     dup_start = row
     if len(dups):
         q_owner.append(pair_seq[dups])
-        out_owner.append(pair_seq[dups])
         row_grid.append(pair_grid[dups])
         grid[pair_grid[dups]] = row + np.arange(len(dups))
         row += len(dups)
+    grid[grid < 0] = row  # padding: the zero row after the last
     pos = np.arange(maxblk * bs)
     allowed = pos[None, :] < lens[:, None]
     if win is not None:
@@ -200,7 +199,7 @@ def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.nd
     cat = np.concatenate
     return _Decodes(
         tokens=dev(qsl[dec]), runs=runs, dup_blocks=dev(pair_blk[dups]) if len(dups) else None,
-        dup_start=dup_start, num_rows=row, q_owner=dev(cat(q_owner)), out_owner=dev(cat(out_owner)),
+        dup_start=dup_start, num_rows=row, q_owner=dev(cat(q_owner)),
         grid=dev(grid), row_grid=dev(cat(row_grid)), max_blocks=maxblk, mask=mask,
     )
 
@@ -262,8 +261,10 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_dup, v_dup = k_cache.index_select(0, p.dup_blocks), v_cache.index_select(0, p.dup_blocks)
 
     def per_block(a: torch.Tensor, cache: torch.Tensor, dup, width: int) -> torch.Tensor:
-        """a [rows, Hkv, G, x] @ each row's block of `cache` -> [rows, Hkv, G, width]"""
-        out = a.new_empty(p.num_rows, hkv, g, width)
+        """a [rows, Hkv, G, x] @ each row's block of `cache` -> [rows + 1, Hkv, G, width], the last
+        row zeros (what `grid` padding reads)"""
+        out = a.new_empty(p.num_rows + 1, hkv, g, width)
+        out[p.num_rows].zero_()
         transpose = width == bs  # scores: q @ K^T; outputs: p @ V
         for row, lo, count in p.runs + ([(p.dup_start, None, dup.shape[0])] if dup is not None else []):
             blocks = (cache[lo : lo + count] if lo is not None else dup).view(count * hkv, bs, d)
@@ -281,10 +282,12 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     probs = torch.softmax(s.add_(mask), dim=-1).to(dtype)
     probs = probs.view(n, hkv, g, p.max_blocks, bs).permute(0, 3, 1, 2, 4).reshape(n * p.max_blocks, hkv, g, bs)
     partial = per_block(probs.index_select(0, p.row_grid), v_cache, v_dup, d)  # [rows, Hkv, G, D]
+    # Each sequence's blocks side by side, padding reading the zero row, summed. (Not index_add_
+    # by owner: on the CPU it runs ~4x slower in a thread other than the main one, where the
+    # pipeline's runner steps the engine.)
     acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-    out = torch.zeros(n + 1, hkv, g, d, dtype=acc, device=q.device)
-    out.index_add_(0, p.out_owner, partial.to(acc))
-    return out[:n].to(dtype)
+    parts = partial.index_select(0, p.grid).view(n, p.max_blocks, hkv, g, d)
+    return parts.sum(dim=1, dtype=acc).to(dtype)
 
 
 def paged_attention(
