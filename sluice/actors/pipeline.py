@@ -24,7 +24,7 @@ from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.roles import ROLES
 from sluice.actors.runner_actor import RunnerActor
-from sluice.actors.runtime import ActorFailed, ActorSystem
+from sluice.actors.runtime import ActorFailed, ActorSystem, in_passing_thread
 from sluice.actors.scheduler_actor import SchedulerActor, routing_key
 from sluice.actors.streamer_actor import StreamerActor
 from sluice.actors.tokenizer_actor import TokenizerActor
@@ -117,8 +117,9 @@ class Pipeline:
     async def _engine(self):
         from sluice.engine import LLMEngine
 
-        # Loading takes seconds: keep the loop free meanwhile.
-        self.engine = await asyncio.to_thread(LLMEngine, self.config.model, self.config.engine)
+        # Loading takes seconds: keep the loop free meanwhile (in a thread that then ends: see
+        # in_passing_thread for why not asyncio.to_thread).
+        self.engine = await in_passing_thread(LLMEngine, self.config.model, self.config.engine)
         return self.engine
 
     def _sink(self, topic: str, key) -> KafkaSink:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from sluice.actors.runtime import Actor, ThreadedWorker, WorkerFailed, WorkerStopped
+from sluice.actors.runtime import Actor, ThreadedWorker, WorkerFailed, WorkerStopped, in_passing_thread
 
 from .helpers import BOUND, eventually
 
@@ -148,3 +148,36 @@ async def test_a_runner_shaped_actor_drains_its_worker():
     assert await asyncio.wait_for(runner.drain(), BOUND) == 0
     assert len(runner.results) == 80
     assert sorted(set(runner.results)) == sorted(f"r{i}" for i in range(20))
+
+
+async def test_in_passing_thread_returns_the_result_and_leaves_no_thread_behind():
+    before = {t.ident for t in threading.enumerate()}
+    loop_thread = threading.get_ident()
+    ran_in = []
+
+    def build(x, y):
+        ran_in.append(threading.get_ident())
+        return x + y
+
+    ticks = 0
+
+    async def tick():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    ticker = asyncio.create_task(tick())
+    assert await in_passing_thread(lambda: (time.sleep(0.05), build(2, 3))[1]) == 5
+    ticker.cancel()
+    assert ran_in and ran_in[0] != loop_thread
+    assert ticks > 5  # the loop kept running meanwhile
+    assert {t.ident for t in threading.enumerate()} <= before  # the thread has ended
+
+
+async def test_in_passing_thread_raises_what_the_function_raised():
+    def broken():
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        await in_passing_thread(broken)

@@ -6,9 +6,10 @@ from sluice.actors.runtime.actor import Actor, ActorFailed, ActorState
 from sluice.actors.runtime.mailbox import Mailbox, MailboxClosed, MailboxFull
 from sluice.actors.runtime.supervisor import Decision, RestartPolicy, Supervisor
 from sluice.actors.runtime.system import ActorSystem
-from sluice.actors.runtime.worker import ThreadedWorker, WorkerFailed, WorkerStopped
+from sluice.actors.runtime.worker import ThreadedWorker, WorkerFailed, WorkerStopped, in_passing_thread
 
 __all__ = [
     "Actor", "ActorFailed", "ActorState", "ActorSystem", "Decision", "Mailbox", "MailboxClosed",
     "MailboxFull", "RestartPolicy", "Supervisor", "ThreadedWorker", "WorkerFailed", "WorkerStopped",
+    "in_passing_thread",
 ]
