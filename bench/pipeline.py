@@ -10,6 +10,10 @@ Phases, one after the other on this machine:
            same engine settings; a plain aiokafka client publishes all requests at once and reads
            the tokens topic; TTFT and TPOT are measured by the client (publish -> first token
            event; first -> final event), so they include Kafka both ways.
+Each phase then sends 8 other prompts of 64 tokens one at a time (4 tokens out): their TTFT is the latency the
+Kafka path adds to a request that does not queue behind others. During each timed phase the cores
+other processes kept busy are measured ("others"): on one machine the broker, Redis and the
+benchmark's client take CPU from the engine, which a deployment would not.
 Prompts are text (seeded random tokens decoded), so both sides tokenize the same strings. Greedy,
 ignore_eos: every request produces exactly --output-len tokens on both sides.
 Writes bench/results/pipeline.json and prints a table.
@@ -37,6 +41,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+# After the timed workload, this many requests are sent one at a time (each waits for the last to
+# finish): their TTFT is the latency the Kafka path adds to a request that does not queue.
+LATENCY_REQUESTS = 8
+LATENCY_PROMPT = 64
+LATENCY_OUTPUT = 4
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(v for v in values if v is not None)
     if not values:
@@ -55,6 +66,34 @@ def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[str]:
             for k in lens]
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """CPU time (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU time all processes together have used so far (every core, from /proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class OthersMeter:
+    """Cores that processes other than `pid` kept busy between start() and stop(): on this shared
+    machine the broker, Redis and the benchmark's own client compete with the engine for the CPU."""
+
+    def __init__(self, pid: int | str = "self"):
+        self.pid = pid
+
+    def start(self) -> None:
+        self.t, self.machine, self.own = time.monotonic(), machine_busy_seconds(), cpu_seconds(self.pid)
+
+    def stop(self) -> float:
+        wall = time.monotonic() - self.t
+        return ((machine_busy_seconds() - self.machine) - (cpu_seconds(self.pid) - self.own)) / wall
+
+
 def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict:
     return {"side": name, "requests": len(ttft), "output_tokens": tokens, "wall_s": wall,
             "throughput_tok_s": tokens / wall,
@@ -62,7 +101,7 @@ def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: 
             "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99)}
 
 
-def run_engine(args, prompts: list[str]) -> dict:
+def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(args.model, EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, dtype=args.dtype,
@@ -70,14 +109,21 @@ def run_engine(args, prompts: list[str]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
     log(f"engine: {len(prompts)} requests in-process")
+    others = OthersMeter()
+    others.start()
     start = time.monotonic()
     results = engine.generate(prompts, params)
     wall = time.monotonic() - start
-    return summary("engine in-process", [r.timings.ttft_s for r in results], [r.timings.tpot_s for r in results],
-                   sum(len(r.token_ids) for r in results), wall)
+    out = summary("engine in-process", [r.timings.ttft_s for r in results], [r.timings.tpot_s for r in results],
+                  sum(len(r.token_ids) for r in results), wall)
+    out["others_cores"] = others.stop()
+    log(f"engine: {LATENCY_REQUESTS} requests one at a time")
+    alone = SamplingParams(temperature=0, max_tokens=LATENCY_OUTPUT, ignore_eos=True)
+    out["alone_ttft_s"] = [engine.generate([p], alone)[0].timings.ttft_s for p in alone_prompts]
+    return out
 
 
-async def run_kafka(args, prompts: list[str]) -> dict:
+async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     prefix = f"bench{uuid.uuid4().hex[:8]}"
@@ -128,6 +174,8 @@ async def run_kafka(args, prompts: list[str]) -> dict:
         await read_until({"warm-up"}, {}, {})
         log(f"kafka: {len(prompts)} requests through {prefix}.requests")
         sent, first, final = {}, {}, {}
+        others = OthersMeter(proc.pid)  # the broker, Redis, and this client
+        others.start()
         start = time.monotonic()
         for i, prompt in enumerate(prompts):
             rid = f"r{i:03d}"
@@ -135,6 +183,15 @@ async def run_kafka(args, prompts: list[str]) -> dict:
         await producer.flush()
         await read_until(set(sent), first, final)
         wall = max(t for t, _ in final.values()) - start
+        others_cores = others.stop()
+        log(f"kafka: {LATENCY_REQUESTS} requests one at a time")
+        alone_ttft = []
+        for i, prompt in enumerate(alone_prompts):
+            rid, got = f"alone{i}", {}
+            t = await publish(rid, prompt, LATENCY_OUTPUT)
+            await producer.flush()
+            await read_until({rid}, got, {})
+            alone_ttft.append(got[rid] - t)
         await producer.stop()
         await consumer.stop()
     finally:
@@ -142,7 +199,9 @@ async def run_kafka(args, prompts: list[str]) -> dict:
         proc.wait(60)
     ttft = [first[r] - sent[r] for r in sent]
     tpot = [(final[r][0] - first[r]) / max(1, final[r][1] - 1) for r in sent]
-    return summary("pipeline via Kafka", ttft, tpot, sum(n for _, n in final.values()), wall)
+    out = summary("pipeline via Kafka", ttft, tpot, sum(n for _, n in final.values()), wall)
+    out.update(others_cores=others_cores, alone_ttft_s=alone_ttft)
+    return out
 
 
 def main() -> None:
@@ -174,23 +233,35 @@ def main() -> None:
     prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
     log(f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, {args.output_len} output tokens each")
 
-    engine = run_engine(args, prompts)
-    kafka = asyncio.run(run_kafka(args, prompts))
+    # prompts of their own, so the prefix cache holds none of them
+    alone_prompts = make_prompts(tokenizer, LATENCY_REQUESTS, LATENCY_PROMPT, LATENCY_PROMPT, args.seed + 1)
+    engine = run_engine(args, prompts, alone_prompts)
+    kafka = asyncio.run(run_kafka(args, prompts, alone_prompts))
     ratio = kafka["throughput_tok_s"] / engine["throughput_tok_s"]
     added_ttft_ms = (kafka["ttft_p50_s"] - engine["ttft_p50_s"]) * 1000
+    alone = {s["side"]: percentile(s["alone_ttft_s"], 0.5) for s in (engine, kafka)}
+    added_alone_ms = (alone[kafka["side"]] - alone[engine["side"]]) * 1000
     result = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "prompt_tokens": prompt_tokens,
               "sides": [engine, kafka], "throughput_ratio": ratio, "added_p50_ttft_ms": added_ttft_ms,
+              "alone_p50_ttft_s": alone, "added_alone_p50_ttft_ms": added_alone_ms,
               "targets": {"throughput_ratio": ">= 0.9", "added_p50_ttft_ms": "<= 20"}}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
 
-    print(f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+    print(f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+          f"{'TPOT p99':>10}{'others':>8}{'alone TTFT':>12}")
     for s in (engine, kafka):
         print(f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
               f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
-              f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms")
+              f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms{s['others_cores']:>8.2f}"
+              f"{alone[s['side']] * 1000:>10.0f}ms")
     print(f"\nthroughput ratio (Kafka / in-process): {ratio:.3f}   (target >= 0.9)")
     print(f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms)")
+    print(f"added p50 TTFT, one request at a time ({LATENCY_REQUESTS} requests of {LATENCY_PROMPT} tokens, "
+          f"{LATENCY_OUTPUT} out): "
+          f"{added_alone_ms:+.0f} ms")
+    print("others = cores other processes kept busy during the timed phase (Kafka side: the broker, Redis and "
+          "this client, which share this machine's CPUs with the engine)")
     print(f"written: {RESULTS.relative_to(ROOT)}")
 
 
