@@ -110,9 +110,7 @@ def _compact(meta: AttentionMetadata, key: str, seqs: np.ndarray | None) -> _Com
         return cached
     bs = meta.block_size
     tables, lens = _host(meta, "block_tables"), _host(meta, "seq_lens")
-    used = np.zeros(tables.shape, dtype=bool)
-    nblk = -(-lens // bs)
-    used[:] = np.arange(tables.shape[1])[None, :] < nblk[:, None]
+    used = np.arange(tables.shape[1])[None, :] < (-(-lens // bs))[:, None]  # [B, max_blocks]
     if seqs is not None:
         keep = np.zeros(len(lens), dtype=bool)
         keep[seqs] = True
