@@ -46,6 +46,8 @@ class RunnerActor(Actor):
         self.model_id = engine.model_id.rsplit("/", 1)[-1]
         self._tracked: dict[str, _Tracked] = {}
         self._rejected: list[tuple[str, EngineError]] = []  # filled in the engine thread
+        self._deadlines: dict[str, float] = {}  # engine thread only: request id -> unix deadline
+        self.expired: set[str] = set()  # aborted at their deadline (added by the engine thread)
         self._worker: ThreadedWorker | None = None
         self.peak_queue = 0  # most requests the engine held at once (bounded by max_queue)
         if metrics:
@@ -104,14 +106,33 @@ class RunnerActor(Actor):
             )
         except EngineError as exc:
             self._rejected.append((request.request_id, exc))
+            return
+        if request.deadline is not None:
+            self._deadlines[request.request_id] = request.deadline
 
     def _has_work(self) -> bool:
         return self.engine.has_unfinished() or bool(self._rejected)
 
     def _step(self) -> list:
+        self._abort_expired()
         rejected, self._rejected = self._rejected, []
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         return [*rejected, *outputs]
+
+    def _abort_expired(self) -> None:
+        """Abort requests past their deadline: their final event (finish_reason "abort",
+        stop_reason "deadline") keeps the tokens already streamed."""
+        if not self._deadlines:
+            return
+        now = time.time()
+        for request_id, deadline in list(self._deadlines.items()):
+            if not self.engine.has_request(request_id):
+                del self._deadlines[request_id]
+            elif deadline < now:
+                del self._deadlines[request_id]
+                self.expired.add(request_id)
+                self.engine.abort(request_id)
+                log.info("request %s passed its deadline while generating: aborted", request_id)
 
     # -- step outputs -> messages --------------------------------------------------------------
 
@@ -186,8 +207,12 @@ class RunnerActor(Actor):
             session_messages = (tracked.work.conversation + [{"role": "assistant", "content": reply}]
                                 if request.messages is not None else tracked.work.conversation)
             session_ids = tracked.work.prompt_token_ids + tracked.token_ids.get(0, [])
+        stop_reason = first.stop_reason
+        if request.request_id in self.expired:
+            self.expired.discard(request.request_id)
+            stop_reason = "deadline"
         message = StepMessage(seq=tracked.seq, finished=True, finish_reason=first.finish_reason,
-                              stop_reason=first.stop_reason, usage=usage, timings=timings,
+                              stop_reason=stop_reason, usage=usage, timings=timings,
                               full_text=tracked.texts.get(0, ""), choices=choices,
                               session_messages=session_messages, session_token_ids=session_ids,
                               **self._echo(tracked))

@@ -216,6 +216,10 @@ class LLMEngine:
                 self._pending.append(self._final_output(request, sample, [], ""))
         return True
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is still in the engine (not finished, not aborted)."""
+        return request_id in self._requests
+
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._pending)
 

@@ -229,7 +229,8 @@ class GenerateRequest(BaseModel):
     deadline: Deadline | None = Field(
         None,
         description="Give up after this time (unix seconds or ISO 8601 datetime); "
-        "a request already past its deadline gets a deadline_exceeded error event.",
+        "a request already past its deadline gets a deadline_exceeded error event; one that "
+        "passes it while generating ends with finish_reason 'abort' and stop_reason 'deadline'.",
     )
 
     # the prompt: exactly one of these two

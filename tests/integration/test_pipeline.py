@@ -4,6 +4,7 @@ driven by a plain aiokafka client."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -104,6 +105,37 @@ async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete
     codes = sorted(e["code"] for e in streams.dead_letters)
     assert codes[0] == "invalid_json" or "invalid_json" in codes
     assert all(e.get("raw") for e in streams.dead_letters)
+
+
+async def test_a_deadline_passing_while_generating_ends_the_stream_with_what_was_sent(
+        bootstrap_servers, prefix, tmp_path):
+    pipeline = PipelineProcess(bootstrap_servers, None, prefix, tmp_path)
+    try:
+        pipeline.wait_ready()
+        now = time.time()
+        await publish(bootstrap_servers, f"{prefix}.requests", [
+            # ~2 minutes of tokens on this CPU without its deadline
+            request("long", prompt="Count to ten thousand:", temperature=0, max_tokens=4000, ignore_eos=True,
+                    deadline=now + 4),
+            request("late", prompt="hi", max_tokens=4, deadline=now - 1),
+            request("no-deadline", prompt="Hello", temperature=0, max_tokens=4),
+        ])
+        streams = await collect(bootstrap_servers, prefix, {"long", "late", "no-deadline"}, timeout=90)
+        assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
+    finally:
+        pipeline.stop()
+
+    (final,) = streams.finals("long")
+    assert final["type"] == "final", final
+    assert final["finish_reason"] == "abort" and final["stop_reason"] == "deadline"
+    tokens = [e for e in streams.events["long"] if e["type"] == "token"]
+    assert 0 < final["usage"]["completion_tokens"] < 4000
+    assert final["usage"]["completion_tokens"] == sum(len(e["token_ids"]) for e in tokens)
+    assert [e["seq"] for e in tokens] == list(range(len(tokens))) and final["seq"] == len(tokens)
+    (late,) = streams.finals("late")
+    assert late["type"] == "error" and late["code"] == "deadline_exceeded"
+    (other,) = streams.finals("no-deadline")
+    assert other["finish_reason"] == "length" and other["usage"]["completion_tokens"] == 4
 
 
 async def test_second_turn_of_a_session_reuses_the_first_turns_kv_cache(bootstrap_servers, redis_url, prefix,
