@@ -47,6 +47,17 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
+    def host(self, name: str) -> np.ndarray:
+        """The host copy of `seq_lens`, `block_tables` or `slot_mapping` (read back if missing)."""
+        copy = getattr(self, name + "_host")
+        return copy if copy is not None else getattr(self, name).cpu().numpy()
+
+    def query_lens(self) -> np.ndarray:
+        """New tokens of each sequence in this step, on the host."""
+        if self.query_lens_host is not None:
+            return self.query_lens_host
+        return np.diff(self.query_start_loc.cpu().numpy())
+
 
 def build_metadata(
     query_lens: list[int],
@@ -108,7 +119,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     plan = plan_torch(meta, hkv)
     rows = plan.write_rows
     if rows is None:
-        slots = meta.slot_mapping_host if meta.slot_mapping_host is not None else meta.slot_mapping.cpu().numpy()
+        slots = meta.host("slot_mapping")
         rows = plan.write_rows = torch.from_numpy(_write_rows(slots, bs, hkv)).to(k_cache.device)
     k_cache.view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(k_cache.dtype))
     v_cache.view(-1, d).index_copy_(0, rows, v.reshape(-1, d).to(v_cache.dtype))
@@ -214,13 +225,8 @@ def plan_torch(meta: AttentionMetadata, num_kv_heads: int, with_decodes: bool = 
     bs, win = meta.block_size, meta.sliding_window
     if bs is None:
         raise ValueError("AttentionMetadata.block_size is needed by the torch attention path")
-    host = lambda t, h: h if h is not None else t.cpu().numpy()  # noqa: E731
-    slens = host(meta.seq_lens, meta.seq_lens_host)
-    qsl = host(meta.query_start_loc, None) if meta.query_lens_host is None else None
-    qlens = meta.query_lens_host if qsl is None else np.diff(qsl)
-    if qsl is None:
-        qsl = np.concatenate([[0], np.cumsum(qlens)])
-    bt = host(meta.block_tables, meta.block_tables_host)
+    slens, bt, qlens = meta.host("seq_lens"), meta.host("block_tables"), meta.query_lens()
+    qsl = np.concatenate([[0], np.cumsum(qlens)])
     device = meta.block_tables.device
 
     def dev(a):

@@ -75,7 +75,7 @@ def _attend_triton(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale:
     prefills = plan_torch(meta, hkv, with_decodes=False).prefills
     if prefills:
         if cache.quantized:
-            qlens = _query_lens(meta)
+            qlens = meta.query_lens()
             compact = _compact(meta, "_compact_prefills", np.flatnonzero(qlens > 1))
             kc, vc = _dequantize(cache, compact.ids, q.dtype)
             prefills = plan_torch(compact.meta, hkv, with_decodes=False).prefills
@@ -91,17 +91,6 @@ def _dequantize(cache: LayerKVCache, ids: torch.Tensor, dtype: torch.dtype) -> t
     return dequantize_torch(cache.k, cache.k_scale, ids, dtype), dequantize_torch(cache.v, cache.v_scale, ids, dtype)
 
 
-def _host(meta: AttentionMetadata, name: str) -> np.ndarray:
-    h = getattr(meta, name + "_host")
-    return h if h is not None else getattr(meta, name).cpu().numpy()
-
-
-def _query_lens(meta: AttentionMetadata) -> np.ndarray:
-    if meta.query_lens_host is not None:
-        return meta.query_lens_host
-    return np.diff(meta.query_start_loc.cpu().numpy())
-
-
 def _compact(meta: AttentionMetadata, key: str, seqs: np.ndarray | None) -> _Compact:
     """The blocks that sequences `seqs` (None: all) read this step, and the metadata renumbered
     to index them in a compact cache (other sequences' tables point at block 0: not to be read)."""
@@ -109,7 +98,7 @@ def _compact(meta: AttentionMetadata, key: str, seqs: np.ndarray | None) -> _Com
     if cached is not None:
         return cached
     bs = meta.block_size
-    tables, lens = _host(meta, "block_tables"), _host(meta, "seq_lens")
+    tables, lens = meta.host("block_tables"), meta.host("seq_lens")
     used = np.arange(tables.shape[1])[None, :] < (-(-lens // bs))[:, None]  # [B, max_blocks]
     if seqs is not None:
         keep = np.zeros(len(lens), dtype=bool)
@@ -131,13 +120,13 @@ def _decode_rows(meta: AttentionMetadata) -> _DecodeRows | None:
     cached = getattr(meta, "_decode_rows", False)
     if cached is not False:
         return cached
-    qlens = _query_lens(meta)
+    qlens = meta.query_lens()
     dec = np.flatnonzero(qlens == 1)
     rows = None
     if len(dec):
         device = meta.block_tables.device
         qsl = np.concatenate([[0], np.cumsum(qlens)])
-        tables, lens = _host(meta, "block_tables"), _host(meta, "seq_lens")
+        tables, lens = meta.host("block_tables"), meta.host("seq_lens")
         dev = lambda a, t: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=t)  # noqa: E731
         rows = _DecodeRows(dev(qsl[dec], torch.long), dev(tables[dec], torch.int32), dev(lens[dec], torch.int32),
                            int(lens[dec].max()))
