@@ -41,7 +41,7 @@ def memory_report(model_config: ModelConfig, engine_config: EngineConfig, model,
     element = torch.empty(0, dtype=e.torch_dtype).element_size()
     unquantized = element * sum(math.prod(shape) for shape in expected_shapes(c).values())
     kv_bytes = sum(cache.nbytes for cache in runner.kv_caches)
-    plain_block = bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, e.block_size, c.head_dim, e.torch_dtype)
+    plain_block = bytes_per_block(c, e.block_size, e.torch_dtype)
     return MemoryReport(
         weight_bytes=model.weight_bytes(),
         weight_bytes_unquantized=unquantized,

@@ -51,9 +51,7 @@ def kv_cache_budget(engine_config: EngineConfig) -> int:
 
 def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
     """Number of KV blocks that fit the budget (never more than max_num_seqs full-length seqs need)."""
-    c = model_config
-    per_block = bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, engine_config.block_size,
-                                c.head_dim, engine_config.kv_torch_dtype)
+    per_block = bytes_per_block(model_config, engine_config.block_size, engine_config.kv_torch_dtype)
     budget = kv_cache_budget(engine_config)
     n = budget // per_block
     max_len = engine_config.max_model_len or model_config.max_position_embeddings

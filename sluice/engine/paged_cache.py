@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ModelConfig
+
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -52,10 +54,10 @@ class LayerKVCache:
         return iter((self.k, self.v))
 
 
-def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block over all layers, K and V, scales included."""
     element = torch.empty(0, dtype=dtype).element_size()
-    per_layer = 2 * num_kv_heads * block_size * head_dim * element
+    total = config.kv_bytes_per_token(element) * block_size
     if dtype in QUANTIZED_KV_DTYPES:
-        per_layer += 2 * num_kv_heads * 4
-    return num_layers * per_layer
+        total += 2 * config.num_hidden_layers * config.num_key_value_heads * 4  # float32 scales
+    return total
