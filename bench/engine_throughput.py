@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from cpu_meter import Timed
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "engine_throughput.json"
 SPECIAL_TOKENS = 17  # SmolLM2's ids 0..16 are special tokens; prompts use ordinary ids only
@@ -54,14 +56,6 @@ def rss_peak_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_now_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -104,34 +98,6 @@ def loadavg() -> float:
         return float(open("/proc/loadavg").read().split()[0])
     except OSError:
         return float("nan")
-
-
-def cpu_busy_s() -> float:
-    """CPU seconds all processes of the machine have been busy (from /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class Timed:
-    """Wall time, this process's CPU time, and how many cores *other* processes kept busy meanwhile
-    (the machine is shared: a phase that had to share its cores is slower for that alone)."""
-
-    def __enter__(self):
-        self.wall, self.cpu, self.busy = time.perf_counter(), time.process_time(), cpu_busy_s()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.wall
-        self.cpu = time.process_time() - self.cpu
-        self.others_cores = max(0.0, (cpu_busy_s() - self.busy - self.cpu) / self.wall) if self.wall else 0.0
-
-    def as_dict(self) -> dict:
-        return {"elapsed_s": self.wall, "cpu_s": self.cpu, "others_cores": self.others_cores}
 
 
 def wait_for_idle(max_wait: float, threshold: float = 0.25) -> float:

@@ -32,6 +32,8 @@ import time
 import uuid
 from pathlib import Path
 
+from cpu_meter import Timed
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
 SPECIAL_TOKENS = 17
@@ -66,34 +68,6 @@ def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[str]:
             for k in lens]
 
 
-def cpu_seconds(pid: int | str = "self") -> float:
-    """CPU time (user + system) a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all processes together have used so far (every core, from /proc/stat)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class OthersMeter:
-    """Cores that processes other than `pid` kept busy between start() and stop(): on this shared
-    machine the broker, Redis and the benchmark's own client compete with the engine for the CPU."""
-
-    def __init__(self, pid: int | str = "self"):
-        self.pid = pid
-
-    def start(self) -> None:
-        self.t, self.machine, self.own = time.monotonic(), machine_busy_seconds(), cpu_seconds(self.pid)
-
-    def stop(self) -> float:
-        wall = time.monotonic() - self.t
-        return ((machine_busy_seconds() - self.machine) - (cpu_seconds(self.pid) - self.own)) / wall
-
-
 def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict:
     return {"side": name, "requests": len(ttft), "output_tokens": tokens, "wall_s": wall,
             "throughput_tok_s": tokens / wall,
@@ -109,14 +83,11 @@ def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
     log(f"engine: {len(prompts)} requests in-process")
-    others = OthersMeter()
-    others.start()
-    start = time.monotonic()
-    results = engine.generate(prompts, params)
-    wall = time.monotonic() - start
+    with Timed() as timed:
+        results = engine.generate(prompts, params)
     out = summary("engine in-process", [r.timings.ttft_s for r in results], [r.timings.tpot_s for r in results],
-                  sum(len(r.token_ids) for r in results), wall)
-    out["others_cores"] = others.stop()
+                  sum(len(r.token_ids) for r in results), timed.wall)
+    out["others_cores"] = timed.others_cores
     log(f"engine: {LATENCY_REQUESTS} requests one at a time")
     alone = SamplingParams(temperature=0, max_tokens=LATENCY_OUTPUT, ignore_eos=True)
     out["alone_ttft_s"] = [engine.generate([p], alone)[0].timings.ttft_s for p in alone_prompts]
@@ -174,16 +145,15 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
         await read_until({"warm-up"}, {}, {})
         log(f"kafka: {len(prompts)} requests through {prefix}.requests")
         sent, first, final = {}, {}, {}
-        others = OthersMeter(proc.pid)  # the broker, Redis, and this client
-        others.start()
-        start = time.monotonic()
-        for i, prompt in enumerate(prompts):
-            rid = f"r{i:03d}"
-            sent[rid] = await publish(rid, prompt, args.output_len)
-        await producer.flush()
-        await read_until(set(sent), first, final)
-        wall = max(t for t, _ in final.values()) - start
-        others_cores = others.stop()
+        with Timed(proc.pid) as timed:  # others: the broker, Redis, and this client
+            start = time.monotonic()
+            for i, prompt in enumerate(prompts):
+                rid = f"r{i:03d}"
+                sent[rid] = await publish(rid, prompt, args.output_len)
+            await producer.flush()
+            await read_until(set(sent), first, final)
+            wall = max(t for t, _ in final.values()) - start
+        others_cores = timed.others_cores
         log(f"kafka: {LATENCY_REQUESTS} requests one at a time")
         alone_ttft = []
         for i, prompt in enumerate(alone_prompts):
