@@ -13,8 +13,9 @@ import torch
 
 from sluice.engine.kernels import int8_linear as il
 
+from _tolerances import U
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ALLOCATIONS = []
 

@@ -7,10 +7,10 @@ import torch
 from sluice.engine.kernels import norm
 from sluice.engine.model import RMSNorm
 
+from _tolerances import U, assert_kernel_matches
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
-# unit roundoff of each dtype: one rounding moves a value by at most this, relatively
-U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
 def _inputs(T, H, dtype, seed, weight_dtype=None):
@@ -28,17 +28,6 @@ def _float64_rmsnorm(r, w):
     return w.double() * (r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + EPS))
 
 
-def _assert_kernel_matches(got, ref, dtype):
-    assert got.dtype == ref.dtype and got.shape == ref.shape
-    assert not got.isnan().any()
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    else:
-        # at most one unit in the last place apart (sum order, rsqrt), and almost always equal
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2 * U[dtype], atol=1e-6)
-        assert (got == ref).float().mean().item() > 0.99
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [576, 64, 2048])
 @pytest.mark.parametrize("T", [1, 7, 33])
@@ -53,7 +42,7 @@ def test_add_rmsnorm_matches_reference(T, H, dtype):
 
     got_n, got_r = norm.add_rmsnorm_triton(x, res, w, EPS)
     assert torch.equal(got_r, ref_r)
-    _assert_kernel_matches(got_n, ref_n, dtype)
+    assert_kernel_matches(got_n, ref_n, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,7 +52,7 @@ def test_no_residual_returns_x_and_norms_it(dtype):
     got_n, got_r = norm.add_rmsnorm_triton(x, None, w, EPS)
     assert ref_r is x and got_r is x
     assert torch.equal(ref_n, RMSNorm(w, EPS)(x))
-    _assert_kernel_matches(got_n, ref_n, dtype)
+    assert_kernel_matches(got_n, ref_n, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,7 +71,7 @@ def test_every_output_element_written(dtype):
         got_n, got_r = fn(x, res, w, EPS, out=out, residual_out=res_out)
         assert got_n is out and got_r is res_out
         assert torch.equal(res_out, ref_r)
-        _assert_kernel_matches(out, ref_n, dtype)
+        assert_kernel_matches(out, ref_n, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,10 +86,10 @@ def test_residual_in_place_and_two_pass_path(dtype, max_single_pass, monkeypatch
     out = torch.full_like(x, float("nan"))
     got_n, got_r = norm.add_rmsnorm_triton(x, res_buf, w, EPS, out=out, residual_out=res_buf)
     assert got_r is res_buf and torch.equal(res_buf, ref_r)
-    _assert_kernel_matches(got_n, ref_n, dtype)
+    assert_kernel_matches(got_n, ref_n, dtype)
     # also without a residual in the two-pass path
     got_n, _ = norm.add_rmsnorm_triton(x, None, w, EPS)
-    _assert_kernel_matches(got_n, norm.add_rmsnorm_torch(x, None, w, EPS)[0], dtype)
+    assert_kernel_matches(got_n, norm.add_rmsnorm_torch(x, None, w, EPS)[0], dtype)
 
 
 def test_float32_weight_promotes_like_hf():
