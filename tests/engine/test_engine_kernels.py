@@ -11,15 +11,12 @@ import torch
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import EngineError
-from sluice.engine.kernels import interpreting, resolve_backend
+from sluice.engine.kernels import resolve_backend
 from sluice.engine.loader import load_model
 from sluice.engine.sampling_params import SamplingParams
 
 from _hf_models import build
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or interpreting()), reason="needs CUDA or TRITON_INTERPRET=1 (set by conftest)"
-)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 MODELS = {

