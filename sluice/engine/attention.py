@@ -266,19 +266,19 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if p.dup_blocks is not None:
         k_dup, v_dup = k_cache.index_select(0, p.dup_blocks), v_cache.index_select(0, p.dup_blocks)
 
-    def per_block(a: torch.Tensor, cache: torch.Tensor, dup, width: int) -> torch.Tensor:
-        """a [rows, Hkv, G, x] @ each row's block of `cache` -> [rows + 1, Hkv, G, width], the last
-        row zeros (what `grid` padding reads)"""
+    def per_block(a: torch.Tensor, cache: torch.Tensor, dup, transpose: bool) -> torch.Tensor:
+        """a [rows, Hkv, G, x] @ each row's block of `cache` (transposed: scores q @ K^T; else
+        outputs p @ V) -> [rows + 1, Hkv, G, bs or D], the last row zeros (what `grid` padding reads)"""
+        width = bs if transpose else d
         out = a.new_empty(p.num_rows + 1, hkv, g, width)
         out[p.num_rows].zero_()
-        transpose = width == bs  # scores: q @ K^T; outputs: p @ V
         for row, lo, count in p.runs + ([(p.dup_start, None, dup.shape[0])] if dup is not None else []):
             blocks = (cache[lo : lo + count] if lo is not None else dup).view(count * hkv, bs, d)
             torch.bmm(a[row : row + count].view(count * hkv, g, -1), blocks.transpose(1, 2) if transpose else blocks,
                       out=out[row : row + count].view(count * hkv, g, width))
         return out
 
-    scores = per_block(qrows, k_cache, k_dup, bs)  # [rows, Hkv, G, bs]
+    scores = per_block(qrows, k_cache, k_dup, transpose=True)  # [rows, Hkv, G, bs]
     # per sequence: [n, Hkv, G, maxblk * bs], softmax in float32
     s = scores.index_select(0, p.grid).view(n, p.max_blocks, hkv, g, bs).permute(0, 2, 3, 1, 4)
     s = s.reshape(n, hkv, g, p.max_blocks * bs).float()
@@ -287,7 +287,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         mask = p.masks[q.device] = torch.from_numpy(p.mask).to(q.device)
     probs = torch.softmax(s.add_(mask), dim=-1).to(dtype)
     probs = probs.view(n, hkv, g, p.max_blocks, bs).permute(0, 3, 1, 2, 4).reshape(n * p.max_blocks, hkv, g, bs)
-    partial = per_block(probs.index_select(0, p.row_grid), v_cache, v_dup, d)  # [rows, Hkv, G, D]
+    partial = per_block(probs.index_select(0, p.row_grid), v_cache, v_dup, transpose=False)  # [rows, Hkv, G, D]
     # Each sequence's blocks side by side, padding reading the zero row, summed. (Not index_add_
     # by owner: on the CPU it runs ~4x slower in a thread other than the main one, where the
     # pipeline's runner steps the engine.)

@@ -98,3 +98,14 @@ def test_prefill_from_own_kv_equals_reading_the_cache_back():
     torch.testing.assert_close(from_new, from_cache, rtol=1e-6, atol=1e-6)
     expected = reference(q[:12], k_cache, v_cache, qlens, slens, tables, D**-0.5)
     torch.testing.assert_close(from_new, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_head_size_equal_to_block_size(monkeypatch):
+    """Scores ([.., block]) and outputs ([.., D]) are then the same width: the decode path must still
+    multiply by K transposed for the one and by V as it is for the other."""
+    monkeypatch.setitem(globals(), "D", BLOCK)
+    q, k_cache, v_cache, tables = make_case(torch.float32, seed=7, spread=2)
+    meta = build_metadata(QUERY_LENS, SEQ_LENS, tables, BLOCK)
+    out = paged_attention(q, k_cache, v_cache, meta, scale=D**-0.5)
+    expected = reference(q, k_cache, v_cache, QUERY_LENS, SEQ_LENS, tables, D**-0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
