@@ -29,8 +29,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                        help="KV cache element type: auto (the model dtype), int8 (per block and head "
                        "scales), fp8 (e4m3, CUDA)")
-    group.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                       help="auto: fused Triton kernels on CUDA, torch on the CPU")
+    group.add_argument("--kernels", choices=["auto", "torch", "triton", "native"], default="auto",
+                       help="auto: fused Triton kernels on CUDA; on the CPU, native (decode attention in C, "
+                       "built at first use with the system compiler) else torch")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

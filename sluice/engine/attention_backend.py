@@ -1,7 +1,8 @@
 """A layer's attention step: write this step's K/V into its cache, then attend, on either path.
 
-torch (the CPU default): `attention.write_kv` and `attention.paged_attention` on a cache in the
-model dtype. A quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this
+torch: `attention.write_kv` and `attention.paged_attention` on a cache in the model dtype.
+native (the CPU default where it builds): the same, but decodes go through the C kernel of
+`cpu_kernels.paged_decode` (float32 caches; other dtypes keep the torch path). A quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this
 step reads are dequantized into a compact temporary cache (block tables renumbered to match), so
 the same attention code runs on it.
 
@@ -51,6 +52,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCach
         return _attend_triton(q, k, v, cache, meta, scale)
     if not cache.quantized:
         write_kv(k, v, cache.k, cache.v, meta)
+        if kernels == "native" and _native_decodes(q, cache.k):
+            return _attend_native(q, k, v, cache, meta, scale)
         return paged_attention(q, cache.k, cache.v, meta, scale, k, v)
     from .kernels.kv_cache import write_kv_torch
 
@@ -82,6 +85,26 @@ def _attend_triton(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale:
         else:
             kc, vc = cache.k, cache.v
         _prefill_attention(q, kc, vc, prefills, out, scale, k, v)
+    return out
+
+
+def _native_decodes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    from .cpu_kernels.paged_decode import supports
+
+    return supports(q, k_cache)
+
+
+def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decodes through the C kernel on the cache in place, prefill chunks through SDPA."""
+    from .cpu_kernels.paged_decode import paged_decode_cpu
+
+    out = torch.empty_like(q)
+    rows = _decode_rows(meta)
+    if rows is not None:
+        paged_decode_cpu(q, out, rows.tokens, cache.k, cache.v, rows.block_tables, rows.seq_lens, scale,
+                         meta.sliding_window, rows.max_seq_len)
+    prefills = plan_torch(meta, cache.k.shape[1], with_decodes=False).prefills
+    _prefill_attention(q, cache.k, cache.v, prefills, out, scale, k, v)
     return out
 
 

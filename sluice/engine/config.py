@@ -164,7 +164,8 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" | "bfloat16"
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    # "auto": fused Triton kernels on CUDA, torch on the CPU; "torch" or "triton" forces one.
+    # "auto": fused Triton kernels on CUDA; on the CPU "native" (decode attention in C, built at
+    # first use) where a C compiler is found, else "torch". "torch", "triton", "native" force one.
     kernels: str = "auto"
     quantization: str | None = None  # None | "int8" (weight-only, per output channel)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3, CUDA)

@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.down_weight = _param(w["mlp.down_proj.weight"])
         self.inter = c.intermediate_size
         self.eps = c.rms_norm_eps
-        self.kernels = "torch"  # or "triton": see CausalLM.use_kernels
+        self.kernels = "torch"  # or "triton", "native": see CausalLM.use_kernels
         self.int8 = False
 
     def quantize_int8(self) -> None:
@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, self.hq + self.hkv, self.d), cos, sin)
         q, k = qk.split([self.hq, self.hkv], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
-        attn = attend(q, k, v, kv_cache, meta, self.scale)
+        attn = attend(q, k, v, kv_cache, meta, self.scale, kernels=self.kernels)
         x = x + self._linear(attn.reshape(t, self.q_size), "o_weight", self.o_bias)
 
         h = self.post_attn_norm(x)
@@ -251,7 +251,7 @@ class CausalLM(nn.Module):
         self.float_dtype = self.embed_weight.dtype
 
     def use_kernels(self, kernels: str) -> None:
-        """"torch" or "triton" (resolved by `kernels.resolve_backend`) for every layer."""
+        """"torch", "triton" or "native" (resolved by `kernels.resolve_backend`) for every layer."""
         self.kernels = kernels
         for layer in self.layers:
             layer.kernels = kernels

@@ -1,0 +1,127 @@
+"""C kernels for the engine's hot path on the CPU, compiled on this machine at first use.
+
+The sources (`*.c` beside this file) are built once with the system C compiler (`$CC`, else
+`cc`) for this CPU (`-march=native`) with OpenMP, and cached under `$SLUICE_CACHE_DIR` (default
+`~/.cache/sluice`), keyed by the sources, flags, compiler and CPU. They are loaded with ctypes
+after torch, so their OpenMP threads are torch's own (one libgomp in the process).
+
+Without a compiler, or if the build fails, `library()` is None, `unavailable_reason()` says why,
+and the engine runs its torch path instead (`EngineConfig.kernels="auto"`); forcing
+`kernels="native"` then fails with that reason.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: the library then shares torch's OpenMP runtime)
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("paged_decode.c",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+DISABLE_ENV = "SLUICE_NATIVE_KERNELS"  # "0": never build or load them
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call; None where they cannot be (see unavailable_reason)."""
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"], _state["reason"] = _load(), None
+            except _Unavailable as e:
+                _state["lib"], _state["reason"] = None, str(e)
+                log.info("native CPU kernels unavailable, using the torch path: %s", e)
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice"
+    )
+    return Path(root) / "cpu_kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags: a library built with -march=native runs only where they match."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        raise _Unavailable(f"disabled by {DISABLE_ENV}=0")
+    if platform.system() != "Linux":
+        raise _Unavailable(f"built and tested on Linux only, not {platform.system()}")
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise _Unavailable(f"no C compiler ({cc!r} not on PATH; set CC)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _Unavailable(f"{cc} --version failed: {e}") from e
+    here = Path(__file__).parent
+    sources = [here / s for s in SOURCES]
+    key = hashlib.sha256()
+    for part in [*(s.read_bytes() for s in sources), " ".join(FLAGS).encode(), version.encode(),
+                 _cpu_signature().encode()]:
+        key.update(part)
+    target = _cache_dir() / f"sluice_cpu_kernels-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        _build(cc, sources, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise _Unavailable(f"could not load {target}: {e}") from e
+    _declare(lib)
+    return lib
+
+
+def _build(cc: str, sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target, then rename: processes starting together never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"]
+    log.info("building native CPU kernels: %s", " ".join(cmd))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise _Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _Unavailable(f"building {target.name} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    fn = lib.sluice_paged_decode_f32
+    fn.restype = i32
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32, f32, i32, i32, i32]

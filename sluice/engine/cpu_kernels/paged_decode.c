@@ -1,0 +1,280 @@
+/* Paged decode attention on the CPU: one new query token per sequence attends to its whole
+ * context, read in place through the block table.
+ *
+ * Why C: in torch this step is thousands of tiny matmuls (a few query rows against one 16-token
+ * block) plus gathers, softmax and sums over padded score tensors, and on two cores it cost
+ * about as much as all the decode step's matmuls. Here each sequence is one work item: scores of
+ * its query heads against every cached key, a softmax, then the weighted sum of the values. K and
+ * V are read once, in place, block by block with all KV heads of a block together (one contiguous
+ * run of memory): on this path the step is bound by memory bandwidth, not by arithmetic.
+ *
+ * Threads come from OpenMP. Loaded into a process that already holds torch's libgomp (same
+ * soname), the kernel runs on torch's own thread team instead of starting a second one.
+ *
+ * Layouts (element strides, all in elements of the data type):
+ *   q    [tokens, Hq, D]: row stride q_stride, query head hq = h * G + j uses KV head h;
+ *   out  [tokens, Hq, D]: row stride out_stride;
+ *   k/v  [num_blocks, Hkv, block_size, D] contiguous (one block of one head is a [bs, D] matrix);
+ *   block_tables [n, bt_stride] int32, seq_lens [n] int32, tokens [n] int64: decode i is the
+ *   row tokens[i] of q and out, its context is seq_lens[i] tokens.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 in single precision, written so the compiler vectorizes the loops that call
+ * it (libm's expf is a scalar call). Range reduction by ln 2 split in two parts, then the Cephes
+ * degree-6 polynomial on [-ln2/2, ln2/2]: relative error ~2e-7, like expf. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* exp(-87) is still a normal float; smaller weights are 0 anyway */
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int d) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* The generic path (any block size and D), one KV head of one sequence: q and out point at its G
+ * query heads ([G, D] rows). scores: scratch of g * len floats; acc: g * d floats. */
+static inline __attribute__((always_inline)) void decode_item(const float *q, float *out, const float *k_cache,
+                               const float *v_cache, const int32_t *table, int first, int len, int hkv, int h,
+                               int g, int d, int bs, float scale, float *scores, float *acc) {
+    const int64_t block_elems = (int64_t)bs * d;
+    const int count = len - first;
+
+    /* scores[j][p] = q_j . k_p * scale, for context positions p = first .. len-1 */
+    for (int p = first; p < len;) {
+        const int blk = table[p / bs];
+        const int off = p % bs;
+        const int n = (bs - off) < (len - p) ? (bs - off) : (len - p);
+        const float *k = k_cache + ((int64_t)blk * hkv + h) * block_elems + (int64_t)off * d;
+        for (int t = 0; t < n; t++)
+            for (int j = 0; j < g; j++)
+                scores[(int64_t)j * count + (p - first) + t] = dot(q + j * d, k + (int64_t)t * d, d) * scale;
+        p += n;
+    }
+
+    /* softmax per query head; the division is left to the end */
+    float inv_sum[64];
+    for (int j = 0; j < g; j++) {
+        float *s = scores + (int64_t)j * count;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int i = 0; i < count; i++) m = s[i] > m ? s[i] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < count; i++) {
+            const float e = exp_nonpositive(s[i] - m);
+            s[i] = e;
+            sum += e;
+        }
+        inv_sum[j] = 1.0f / sum;
+    }
+
+    /* acc[j] = sum_p w[j][p] * v_p */
+    memset(acc, 0, sizeof(float) * (size_t)g * d);
+    for (int p = first; p < len;) {
+        const int blk = table[p / bs];
+        const int off = p % bs;
+        const int n = (bs - off) < (len - p) ? (bs - off) : (len - p);
+        const float *v = v_cache + ((int64_t)blk * hkv + h) * block_elems + (int64_t)off * d;
+        for (int t = 0; t < n; t++) {
+            const float *vt = v + (int64_t)t * d;
+            for (int j = 0; j < g; j++) {
+                const float w = scores[(int64_t)j * count + (p - first) + t];
+                float *a = acc + j * d;
+#pragma omp simd
+                for (int i = 0; i < d; i++) a[i] += w * vt[i];
+            }
+        }
+        p += n;
+    }
+    for (int j = 0; j < g; j++) {
+        float *o = out + j * d;
+        const float c = inv_sum[j];
+#pragma omp simd
+        for (int i = 0; i < d; i++) o[i] = acc[j * d + i] * c;
+    }
+}
+
+/* The fast path: block_size 16 and D a multiple of 16, in GCC/Clang vector types (one vector =
+ * 16 floats: one AVX-512 register, two AVX2 ones). A block's 16 scores for one query are 16 dot
+ * products; instead of 16 horizontal sums, the 16 partial-sum vectors are transposed and added
+ * pairwise in 4 rounds of shuffles, ending with score t in lane t. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define FAST_BLOCK 16
+#define FAST_MAX_G 16
+
+static inline v16f load16(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store16(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline v16f pair_sum(v16f a, v16f b, v16i lo, v16i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+/* Blocks of a sequence need not be adjacent in memory: ask for the next one while computing on
+ * this one, so the hardware prefetcher's stop at a block boundary does not stall the loop. */
+static inline void prefetch_block(const float *p, int64_t elems) {
+    for (int64_t i = 0; i < elems; i += 16) __builtin_prefetch(p + i);
+}
+
+/* lane t of the result = sum of the lanes of a[t] */
+static inline v16f transpose_sum16(const v16f a[16]) {
+    const v16i l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) b[i] = pair_sum(a[2 * i], a[2 * i + 1], l1, h1);  /* rows 2i, 2i+1: 8 lanes each */
+    for (int i = 0; i < 4; i++) c[i] = pair_sum(b[2 * i], b[2 * i + 1], l2, h2);  /* 4 rows, 4 lanes each */
+    for (int i = 0; i < 2; i++) e[i] = pair_sum(c[2 * i], c[2 * i + 1], l3, h3);  /* 8 rows, 2 lanes each */
+    return pair_sum(e[0], e[1], l4, h4);
+}
+
+/* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
+ * every KV head are one contiguous run of memory, read once and used by all G queries of each
+ * head. qs: scratch of Hq * D floats (the queries, scaled); scores: scratch of Hq rows of `stride`
+ * floats, kept per whole block from base = first rounded down to the block. */
+static inline __attribute__((always_inline)) void decode_seq_fast(const float *q, float *out, const float *k_cache,
+                                                                 const float *v_cache, const int32_t *table,
+                                                                 int first, int len, int hkv, int g, const int nv,
+                                                                 float scale, float *qs, float *scores) {
+    const int d = 16 * nv, hq = hkv * g;
+    const int64_t block_elems = (int64_t)FAST_BLOCK * d;
+    const int b0 = first / FAST_BLOCK, b1 = (len + FAST_BLOCK - 1) / FAST_BLOCK;
+    const int64_t stride = (int64_t)(b1 - b0) * FAST_BLOCK;
+    const int lo = first - b0 * FAST_BLOCK, hi = len - b0 * FAST_BLOCK;
+
+    for (int r = 0; r < hq; r++)
+        for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16(q + r * d + 16 * c) * scale);
+
+    for (int b = b0; b < b1; b++) {
+        const float *kb = k_cache + (int64_t)table[b] * hkv * block_elems;
+        if (b + 1 < b1) prefetch_block(k_cache + (int64_t)table[b + 1] * hkv * block_elems, hkv * block_elems);
+        for (int h = 0; h < hkv; h++) {
+            const float *k = kb + h * block_elems;
+            for (int j = 0; j < g; j++) {
+                const float *qr = qs + (h * g + j) * d;
+                v16f part[16];
+                for (int t = 0; t < FAST_BLOCK; t++) {
+                    v16f acc = load16(qr) * load16(k + t * d);
+                    for (int c = 1; c < nv; c++) acc += load16(qr + 16 * c) * load16(k + t * d + 16 * c);
+                    part[t] = acc;
+                }
+                store16(scores + (h * g + j) * stride + (b - b0) * FAST_BLOCK, transpose_sum16(part));
+            }
+        }
+    }
+
+    /* softmax over positions first .. len-1 (rows of the first and last block outside are unused);
+     * the outputs start at zero and are divided by the sums at the end */
+    for (int r = 0; r < hq; r++) {
+        float *s = scores + r * stride;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int i = lo; i < hi; i++) m = s[i] > m ? s[i] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = lo; i < hi; i++) {
+            const float e = exp_nonpositive(s[i] - m);
+            s[i] = e;
+            sum += e;
+        }
+        qs[r] = 1.0f / sum; /* the queries are no longer needed: qs keeps the Hq inverse sums */
+        for (int c = 0; c < nv; c++) store16(out + r * d + 16 * c, (v16f){0});
+    }
+
+    for (int b = b0; b < b1; b++) {
+        const float *vb = v_cache + (int64_t)table[b] * hkv * block_elems;
+        if (b + 1 < b1) prefetch_block(v_cache + (int64_t)table[b + 1] * hkv * block_elems, hkv * block_elems);
+        const int t0 = b == b0 ? lo : 0;
+        const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
+        for (int h = 0; h < hkv; h++) {
+            const float *v = vb + h * block_elems;
+            v16f acc[FAST_MAX_G][8];
+            for (int j = 0; j < g; j++)
+                for (int c = 0; c < nv; c++) acc[j][c] = load16(out + (h * g + j) * d + 16 * c);
+            for (int t = t0; t < t1; t++) {
+                v16f vt[8];
+                for (int c = 0; c < nv; c++) vt[c] = load16(v + t * d + 16 * c);
+                for (int j = 0; j < g; j++) {
+                    const float w = scores[(h * g + j) * stride + (b - b0) * FAST_BLOCK + t];
+                    for (int c = 0; c < nv; c++) acc[j][c] += w * vt[c];
+                }
+            }
+            for (int j = 0; j < g; j++)
+                for (int c = 0; c < nv; c++) store16(out + (h * g + j) * d + 16 * c, acc[j][c]);
+        }
+    }
+    for (int r = 0; r < hq; r++) {
+        const float c_r = qs[r];
+        for (int c = 0; c < nv; c++) store16(out + r * d + 16 * c, load16(out + r * d + 16 * c) * c_r);
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated, -2 for G over 64. */
+int sluice_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *tokens,
+                            int n, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d, int bs, float scale,
+                            int window, int max_len, int num_threads) {
+    if (g > 64) return -2;
+    if (num_threads < 1) num_threads = 1;
+    const int hq = hkv * g;
+    const int fast = bs == FAST_BLOCK && g <= FAST_MAX_G && (d == 64 || d == 128);
+    /* per thread: scores of every head (with room for whole first and last blocks), then the
+     * scaled queries (fast path) or one head's accumulator (generic path) */
+    const size_t scores_len = (size_t)hq * (max_len + 2 * (size_t)bs);
+    const size_t per_thread = scores_len + (size_t)hq * d;
+    float *scratch = malloc(sizeof(float) * per_thread * num_threads);
+    if (scratch == NULL) return -1;
+    /* one sequence per work item, all its heads: its blocks are then read front to back */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int i = 0; i < n; i++) {
+        float *scores = scratch + per_thread * omp_get_thread_num();
+        float *extra = scores + scores_len;
+        const int len = seq_lens[i];
+        const int first = (window > 0 && len > window) ? len - window : 0;
+        const float *qi = q + tokens[i] * q_stride;
+        float *oi = out + tokens[i] * out_stride;
+        const int32_t *table = block_tables + (int64_t)i * bt_stride;
+        if (fast && d == 64) {
+            decode_seq_fast(qi, oi, k_cache, v_cache, table, first, len, hkv, g, 4, scale, extra, scores);
+        } else if (fast) {
+            decode_seq_fast(qi, oi, k_cache, v_cache, table, first, len, hkv, g, 8, scale, extra, scores);
+        } else {
+            /* query heads h*G .. h*G+G-1 are consecutive [D] rows of the token's q (and out) */
+            for (int h = 0; h < hkv; h++)
+                decode_item(qi + (int64_t)h * g * d, oi + (int64_t)h * g * d, k_cache, v_cache, table, first, len,
+                            hkv, h, g, d, bs, scale, scores, extra);
+        }
+    }
+    free(scratch);
+    return 0;
+}

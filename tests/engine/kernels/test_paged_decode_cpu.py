@@ -1,0 +1,106 @@
+"""Paged decode attention in C (`sluice.engine.cpu_kernels`) against float64 and the torch path.
+
+The caches come from test_paged_attention.build_case: scattered blocks, NaN in every slot no query
+may attend, block-table padding naming poisoned blocks (or wild ids). The kernel writes only the
+rows of its decode tokens, so the other rows of a NaN-filled output must stay NaN.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engine import cpu_kernels
+from sluice.engine.cpu_kernels.paged_decode import paged_decode_cpu, supports
+from sluice.engine.errors import EngineError
+from sluice.engine.kernels import resolve_backend
+from sluice.engine.kernels.paged_attention import paged_decode_attention_torch
+
+from test_paged_attention import LENS, attention_f64, build_case
+
+
+def test_the_kernels_build_on_this_machine():
+    # CI has a C compiler: the native path must really run there, not fall back silently.
+    assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
+    assert resolve_backend("auto", "cpu") == "native"
+
+
+def run_native(args, *, stride_pad: int = 0, extra_rows: int = 0):
+    """The kernel on decode rows placed among other rows (extra_rows before each) of a wider q
+    (stride_pad more elements per row, like q inside the fused qkv), output NaN-filled first."""
+    q, k_cache, v_cache, table, lens, scale, _, _, window = args
+    n, hq, d = q.shape
+    rows = n * (extra_rows + 1)
+    tokens = torch.arange(n, dtype=torch.int64) * (extra_rows + 1) + extra_rows
+    wide = torch.full((rows, hq * d + stride_pad), float("nan"))
+    q_rows = wide[:, : hq * d].view(rows, hq, d)
+    q_rows[tokens] = q
+    out = torch.full((rows, hq, d), float("nan"))
+    paged_decode_cpu(q_rows, out, tokens, k_cache, v_cache, table, lens, scale, window, int(lens.max()))
+    others = torch.ones(rows, dtype=torch.bool)
+    others[tokens] = False
+    assert out[others].isnan().all(), "the kernel wrote rows that are not its decode tokens"
+    got = out[tokens]
+    assert torch.isfinite(got).all(), "an output element was not written (or NaN leaked in)"
+    return got
+
+
+def check(args, seen, **kw):
+    q, _, _, table, lens, scale, _, _, window = args
+    got = run_native(args, **kw)
+    f64 = attention_f64(q, *seen, table, lens, scale, window)
+    torch.testing.assert_close(got.double(), f64, rtol=1e-5, atol=1e-5)
+    ref = paged_decode_attention_torch(*args)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+# (KV heads, G, head dim, block size): the vectorized path (block 16, D 64 or 128, G <= 16) and
+# the generic one (D not a multiple of 16, block 8, G over 16).
+CASES = [(2, 1, 64, 16), (3, 3, 64, 16), (2, 8, 128, 16), (2, 3, 80, 16), (2, 3, 64, 8), (1, 20, 64, 16)]
+
+
+@pytest.mark.parametrize("hkv,group,d,bs", CASES, ids=lambda v: str(v))
+def test_matches_float64_and_the_torch_path(hkv, group, d, bs):
+    args, seen, _ = build_case(LENS + [33], hkv, group, d, bs, torch.float32, share=1, seed=group + d)
+    check(args, seen)
+    check(args, seen, stride_pad=2 * hkv * d, extra_rows=2)  # q rows inside qkv, prefill rows between
+
+
+@pytest.mark.parametrize("bs", [16, 8])
+def test_sliding_window_never_reads_before_it(bs):
+    lens = [1, 5, 16, 40, 300]
+    args, seen, _ = build_case(lens, 2, 3, 64, bs, torch.float32, window=37, seed=3, wild=True)
+    check(args, seen)
+
+
+def test_one_long_context():
+    args, seen, _ = build_case([4100], 1, 3, 64, 16, torch.float32, seed=5)
+    check(args, seen)
+
+
+def test_supports_only_float32_on_the_cpu():
+    k = torch.zeros(4, 2, 16, 64)
+    assert supports(torch.zeros(3, 6, 64), k)
+    assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k.bfloat16())
+
+
+def test_without_the_kernels_auto_falls_back_and_native_names_the_reason(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
+    assert cpu_kernels.library() is None
+    assert "SLUICE_NATIVE_KERNELS=0" in cpu_kernels.unavailable_reason()
+    assert resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(EngineError, match="SLUICE_NATIVE_KERNELS=0") as e:
+        resolve_backend("native", "cpu")
+    assert e.value.field == "kernels"
+
+
+def test_a_missing_compiler_is_named(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert cpu_kernels.library() is None
+    assert "no-such-compiler-here" in cpu_kernels.unavailable_reason()
+
+
+def test_native_is_for_the_cpu_only():
+    with pytest.raises(EngineError, match="CPU"):
+        resolve_backend("native", "cuda")
