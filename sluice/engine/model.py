@@ -145,23 +145,34 @@ class DecoderLayer(nn.Module):
         return x + self._linear(F.silu(gate).mul_(up), "down_weight")
 
     def forward_fused(self, x, residual, cos, sin, meta: AttentionMetadata, kv_cache):
-        """The Triton path, residual stream kept apart: (x, residual) -> (x, residual), where the
-        layer's input is x + residual (residual None: x alone). cos, sin [T, D/2] float32."""
-        from .kernels.activation import silu_and_mul_triton
-        from .kernels.norm import add_rmsnorm_triton
-        from .kernels.rotary import rotary_triton_
-
+        """The fused path (Triton kernels, or the native C ones), residual stream kept apart:
+        (x, residual) -> (x, residual), where the layer's input is x + residual (residual None: x
+        alone). cos, sin [T, D/2] float32."""
+        add_rmsnorm, silu_and_mul, rotary_ = fused_ops(self.kernels)
         t = x.shape[0]
-        h, residual = add_rmsnorm_triton(x, residual, self.input_norm.weight, self.eps)
+        h, residual = add_rmsnorm(x, residual, self.input_norm.weight, self.eps)
         qkv = self._linear(h, "qkv_weight", self.qkv_bias)
         q = qkv[:, : self.q_size].view(t, self.hq, self.d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
-        rotary_triton_(q, k, cos, sin)
-        attn = attend(q, k, v, kv_cache, meta, self.scale, kernels="triton")
+        rotary_(q, k, cos, sin)
+        attn = attend(q, k, v, kv_cache, meta, self.scale, kernels=self.kernels)
         x = self._linear(attn.reshape(t, self.q_size), "o_weight", self.o_bias)
-        h, residual = add_rmsnorm_triton(x, residual, self.post_attn_norm.weight, self.eps)
-        return self._linear(silu_and_mul_triton(self._linear(h, "gate_up_weight")), "down_weight"), residual
+        h, residual = add_rmsnorm(x, residual, self.post_attn_norm.weight, self.eps)
+        return self._linear(silu_and_mul(self._linear(h, "gate_up_weight")), "down_weight"), residual
+
+
+def fused_ops(kernels: str):
+    """(add_rmsnorm, silu_and_mul, rotary_) of the fused path: the Triton kernels or the C ones."""
+    if kernels == "native":
+        from .cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
+
+        return add_rmsnorm_native, silu_and_mul_native, rotary_native_
+    from .kernels.activation import silu_and_mul_triton
+    from .kernels.norm import add_rmsnorm_triton
+    from .kernels.rotary import rotary_triton_
+
+    return add_rmsnorm_triton, silu_and_mul_triton, rotary_triton_
 
 
 PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
@@ -359,7 +370,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions [T] -> final-norm hidden states [T, H]."""
         x = self.embed(input_ids)
-        if self.kernels == "triton":
+        if self.kernels == "triton" or (self.kernels == "native" and x.dtype == torch.float32):
             return self._forward_fused(x, positions, meta, kv_caches)
         cos, sin = full_width(*self.rotary.cos_sin(positions, x.dtype))
         for layer, kv in zip(self.layers, kv_caches):
@@ -367,13 +378,12 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def _forward_fused(self, x, positions, meta, kv_caches) -> torch.Tensor:
-        from .kernels.norm import add_rmsnorm_triton
-
+        add_rmsnorm = fused_ops(self.kernels)[0]
         cos, sin = (c.squeeze(1) for c in self.rotary.cos_sin(positions, torch.float32))
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer.forward_fused(x, residual, cos, sin, meta, kv)
-        return add_rmsnorm_triton(x, residual, self.norm.weight, self.norm.eps)[0]
+        return add_rmsnorm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

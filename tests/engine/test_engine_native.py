@@ -1,4 +1,5 @@
-"""The engine with decode attention in C (kernels="native", the CPU default) gives the torch path's
+"""The engine on the native CPU kernels (kernels="native", the CPU default: decode attention and the
+layer's norms, rotary and SiLU-and-multiply in C, on the fused forward) gives the torch path's
 greedy tokens, with chunked prefill, prefix-cache hits, mixed prefill/decode steps, a block size
 the vectorized path serves (16) and one it does not (4), and a sliding window. The HF parity tests
 (test_model_vs_hf, test_engine_smollm2) run on the default, so on this path too."""

@@ -26,7 +26,8 @@ import torch  # noqa: F401  (loaded first: the library then shares torch's OpenM
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c",)
+SOURCES = ("paged_decode.c", "layer_ops.c")
+HEADERS = ("vec_exp.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 DISABLE_ENV = "SLUICE_NATIVE_KERNELS"  # "0": never build or load them
 
@@ -87,7 +88,8 @@ def _load() -> ctypes.CDLL:
     here = Path(__file__).parent
     sources = [here / s for s in SOURCES]
     key = hashlib.sha256()
-    for part in [*(s.read_bytes() for s in sources), " ".join(FLAGS).encode(), version.encode(),
+    inputs = sources + [here / h for h in HEADERS]
+    for part in [*(f.read_bytes() for f in inputs), " ".join(FLAGS).encode(), version.encode(),
                  _cpu_signature().encode()]:
         key.update(part)
     target = _cache_dir() / f"sluice_cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -122,6 +124,13 @@ def _build(cc: str, sources: list[Path], target: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-    fn = lib.sluice_paged_decode_f32
-    fn.restype = i32
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32, f32, i32, i32, i32]
+    signatures = {
+        "sluice_paged_decode_f32": (i32, [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32,
+                                          f32, i32, i32, i32]),
+        "sluice_add_rmsnorm_f32": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32]),
+        "sluice_silu_and_mul_f32": (None, [ptr, i64, ptr, i64, i32, i32, i32]),
+        "sluice_rotary_f32": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
