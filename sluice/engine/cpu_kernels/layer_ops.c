@@ -40,23 +40,23 @@ void sluice_add_rmsnorm_f32(const float *x, int64_t x_stride, const float *res, 
     }
 }
 
-/* out[t, i] = silu(x[t, i]) * x[t, inter + i]; silu(g) = g * sigmoid(g), the sigmoid from
- * exp(-|g|) so the exponent never overflows. */
+/* out[i] = silu(gate[i]) * up[i]; silu(g) = g * sigmoid(g), the sigmoid from exp(-|g|) so the
+ * exponent never overflows. */
+static void silu_and_mul_row(const float *restrict gate, const float *restrict up, float *restrict out, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+        const float g = gate[i];
+        const float e = exp_nonpositive(-fabsf(g));
+        const float sig = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+        out[i] = g * sig * up[i];
+    }
+}
+
+/* x [T, 2I] = (gate | up) -> out [T, I] */
 void sluice_silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int inter,
                              int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= PARALLEL_MIN_ELEMS) schedule(static)
-    for (int t = 0; t < rows; t++) {
-        const float *gate = x + t * x_stride;
-        const float *up = gate + inter;
-        float *o = out + t * out_stride;
-#pragma omp simd
-        for (int i = 0; i < inter; i++) {
-            const float g = gate[i];
-            const float e = exp_nonpositive(-fabsf(g));
-            const float sig = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-            o[i] = g * sig * up[i];
-        }
-    }
+    for (int t = 0; t < rows; t++) silu_and_mul_row(x + t * x_stride, x + t * x_stride + inter, out + t * out_stride, inter);
 }
 
 /* Rotate the pairs (i, i + D/2) of every head of q [T, Hq, D] and k [T, Hkv, D] in place:
