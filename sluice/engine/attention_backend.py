@@ -1,8 +1,8 @@
 """A layer's attention step: write this step's K/V into its cache, then attend, on either path.
 
 torch: `attention.write_kv` and `attention.paged_attention` on a cache in the model dtype.
-native (the CPU default where it builds): the same, but decodes go through the C kernel of
-`cpu_kernels.paged_decode` (float32 caches; other dtypes keep the torch path). A quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this
+native (the CPU default where it builds): the same cache write, then decodes and prefill chunks
+through the C kernels of `cpu_kernels` (float32 caches; other dtypes keep the torch path). A quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this
 step reads are dequantized into a compact temporary cache (block tables renumbered to match), so
 the same attention code runs on it.
 
@@ -28,6 +28,15 @@ from .paged_cache import LayerKVCache
 class _Compact:
     ids: torch.Tensor  # [U] cache blocks the step reads, ascending
     meta: AttentionMetadata  # the step's metadata with block tables renumbered into 0..U-1
+
+
+@dataclass
+class _PrefillRows:
+    """The step's prefill chunks (more than one new token) for the native kernel, on the host."""
+    starts: torch.Tensor  # [n] int64 first flat-batch row of each chunk
+    q_lens: torch.Tensor  # [n] int32
+    seq_lens: torch.Tensor  # [n] int32 context length after this step
+    block_tables: torch.Tensor  # [n, max_blocks] int32
 
 
 @dataclass
@@ -95,7 +104,9 @@ def _native_decodes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decodes through the C kernel on the cache in place, prefill chunks through SDPA."""
+    """Decodes and prefill chunks through the C kernels on the cache in place (chunks through SDPA
+    where the prefill kernel lacks the shape)."""
+    from .cpu_kernels import paged_prefill
     from .cpu_kernels.paged_decode import paged_decode_cpu
 
     out = torch.empty_like(q)
@@ -103,8 +114,15 @@ def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale:
     if rows is not None:
         paged_decode_cpu(q, out, rows.tokens, cache.k, cache.v, rows.block_tables, rows.seq_lens, scale,
                          meta.sliding_window, rows.max_seq_len)
-    prefills = plan_torch(meta, cache.k.shape[1], with_decodes=False).prefills
-    _prefill_attention(q, cache.k, cache.v, prefills, out, scale, k, v)
+    chunks = _prefill_rows(meta)
+    if chunks is None:
+        return out
+    if paged_prefill.supports(q, cache.k):
+        paged_prefill.paged_prefill_cpu(q, out, chunks.starts, chunks.q_lens, chunks.seq_lens, cache.k, cache.v,
+                                        chunks.block_tables, scale, meta.sliding_window)
+    else:
+        prefills = plan_torch(meta, cache.k.shape[1], with_decodes=False).prefills
+        _prefill_attention(q, cache.k, cache.v, prefills, out, scale, k, v)
     return out
 
 
@@ -137,6 +155,23 @@ def _compact(meta: AttentionMetadata, key: str, seqs: np.ndarray | None) -> _Com
     )
     setattr(meta, key, compact)
     return compact
+
+
+def _prefill_rows(meta: AttentionMetadata) -> _PrefillRows | None:
+    cached = getattr(meta, "_prefill_rows", False)
+    if cached is not False:
+        return cached
+    qlens = meta.query_lens()
+    chunks = np.flatnonzero(qlens > 1)
+    rows = None
+    if len(chunks):
+        qsl = np.concatenate([[0], np.cumsum(qlens)])
+        tables, lens = meta.host("block_tables"), meta.host("seq_lens")
+        host = lambda a, t: torch.from_numpy(np.ascontiguousarray(a)).to(dtype=t)  # noqa: E731
+        rows = _PrefillRows(host(qsl[chunks], torch.long), host(qlens[chunks], torch.int32),
+                            host(lens[chunks], torch.int32), host(tables[chunks], torch.int32))
+    meta._prefill_rows = rows
+    return rows
 
 
 def _decode_rows(meta: AttentionMetadata) -> _DecodeRows | None:

@@ -1,7 +1,7 @@
-"""The engine on the native CPU kernels (kernels="native", the CPU default: decode attention and the
-layer's norms, rotary and SiLU-and-multiply in C, on the fused forward) gives the torch path's
-greedy tokens, with chunked prefill, prefix-cache hits, mixed prefill/decode steps, a block size
-the vectorized path serves (16) and one it does not (4), and a sliding window. The HF parity tests
+"""The engine on the native CPU kernels (kernels="native", the CPU default: decode and prefill
+attention and the layer's norms, rotary and SiLU-and-multiply in C, on the fused forward) gives the
+torch path's greedy tokens, with chunked prefill, prefix-cache hits, mixed prefill/decode steps,
+shapes the vectorized kernels serve and shapes they do not, and a sliding window. The HF parity tests
 (test_model_vs_hf, test_engine_smollm2) run on the default, so on this path too."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import pytest
 from _hf_models import build
 from test_engine_kernels import MODELS, engine, greedy, greedy_results, prompts
 
-CASES = [(name, 4) for name in MODELS] + [("llama-gqa", 16), ("mistral-window", 16)]
-ALL_MODELS = {**MODELS, "mistral-window": ("mistral", {"sliding_window": 24})}
+# Head size 16 (the tiny models) takes the kernels' generic paths; 64 with block size 16 the
+# vectorized decode and prefill kernels.
+D64 = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+CASES = [(name, 4) for name in MODELS] + [("llama-gqa", 16), ("llama-d64", 16), ("mistral-window-d64", 16)]
+ALL_MODELS = {**MODELS, "llama-d64": ("llama", D64), "mistral-window-d64": ("mistral", {**D64, "sliding_window": 24})}
 
 
 @pytest.mark.parametrize("name,block_size", CASES, ids=[f"{n}-block{b}" for n, b in CASES])

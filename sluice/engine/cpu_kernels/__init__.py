@@ -26,8 +26,8 @@ import torch  # noqa: F401  (loaded first: the library then shares torch's OpenM
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "layer_ops.c")
-HEADERS = ("vec_exp.h",)
+SOURCES = ("paged_decode.c", "paged_prefill.c", "layer_ops.c")
+HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 DISABLE_ENV = "SLUICE_NATIVE_KERNELS"  # "0": never build or load them
@@ -128,6 +128,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "sluice_paged_decode_f32": (i32, [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32,
                                           f32, i32, i32, i32]),
+        "sluice_paged_prefill_f32": (i32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, i32, i32,
+                                           i32, f32, i32, i32]),
         "sluice_add_rmsnorm_f32": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32]),
         "sluice_silu_and_mul_f32": (None, [ptr, i64, ptr, i64, i32, i32, i32]),
         "sluice_rotary_f32": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32]),

@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vec_exp.h"
+#include "simd.h"
 
 /* Below this many elements one thread does the work: waking the team costs more. */
 #define PARALLEL_MIN_ELEMS (1 << 16)

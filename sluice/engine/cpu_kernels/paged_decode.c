@@ -24,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec_exp.h"
+#include "simd.h"
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int d) {
     float acc = 0.0f;
@@ -96,49 +96,10 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
     }
 }
 
-/* The fast path: block_size 16 and D a multiple of 16, in GCC/Clang vector types (one vector =
- * 16 floats: one AVX-512 register, two AVX2 ones). A block's 16 scores for one query are 16 dot
- * products; instead of 16 horizontal sums, the 16 partial-sum vectors are transposed and added
- * pairwise in 4 rounds of shuffles, ending with score t in lane t. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+/* The fast path: block_size 16 and D a multiple of 16, in 16-float vectors (simd.h). A block's 16
+ * scores for one query are 16 dot products, summed across lanes together by transpose_sum16. */
 #define FAST_BLOCK 16
 #define FAST_MAX_G 16
-
-static inline v16f load16(const float *p) {
-    v16f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-static inline void store16(float *p, v16f x) { memcpy(p, &x, sizeof x); }
-
-static inline v16f pair_sum(v16f a, v16f b, v16i lo, v16i hi) {
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
-/* Blocks of a sequence need not be adjacent in memory: ask for the next one while computing on
- * this one, so the hardware prefetcher's stop at a block boundary does not stall the loop. */
-static inline void prefetch_block(const float *p, int64_t elems) {
-    for (int64_t i = 0; i < elems; i += 16) __builtin_prefetch(p + i);
-}
-
-/* lane t of the result = sum of the lanes of a[t] */
-static inline v16f transpose_sum16(const v16f a[16]) {
-    const v16i l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const v16i l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const v16i h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const v16i l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const v16i h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const v16i h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16f b[8], c[4], e[2];
-    for (int i = 0; i < 8; i++) b[i] = pair_sum(a[2 * i], a[2 * i + 1], l1, h1);  /* rows 2i, 2i+1: 8 lanes each */
-    for (int i = 0; i < 4; i++) c[i] = pair_sum(b[2 * i], b[2 * i + 1], l2, h2);  /* 4 rows, 4 lanes each */
-    for (int i = 0; i < 2; i++) e[i] = pair_sum(c[2 * i], c[2 * i + 1], l3, h3);  /* 8 rows, 2 lanes each */
-    return pair_sum(e[0], e[1], l4, h4);
-}
 
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each

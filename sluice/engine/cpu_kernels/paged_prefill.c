@@ -1,0 +1,161 @@
+/* Paged prefill attention on the CPU: the new tokens of a prefill chunk attend causally to their
+ * sequence's context, all of it read through the block table (the chunk's own K/V were written to
+ * the cache first), so a chunk after cached context (chunked prefill, a prefix-cache hit) and one
+ * that starts its sequence take the same path.
+ *
+ * Flash-attention style: one work item is (chunk, KV head, tile of 16 query positions); its
+ * 16 x G query rows go over the context one 16-key block at a time with an online softmax (running
+ * max, running sum, rescaled accumulator), so no score matrix bigger than a block is ever stored. Only the vectorized
+ * form exists (block size 16, D of 64 or 128, G <= 16); the engine uses SDPA otherwise.
+ *
+ * Layouts as in paged_decode.c; chunk i has q_lens[i] new tokens from row starts[i] of q and out,
+ * at positions seq_lens[i] - q_lens[i] .. seq_lens[i] - 1.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define BLOCK 16
+#define TILE 16 /* query positions per work item */
+#define MAX_G 16
+
+/* One tile: query positions p0 .. p0+rows-1 of a chunk, KV head h, as R = TILE * G query rows
+ * r = i * G + j (position p0 + i, query head h * G + j; rows past `rows` are zero padding).
+ * Scores are kept transposed, st[t][r] for the block's 16 keys, so every step of the online
+ * softmax runs along the rows in vectors, and q . k needs no horizontal sums: the queries are
+ * transposed once per tile (qt[d][r]) and each key element is broadcast against 16 rows.
+ * Scratch `w`: qt [D][R], st [16][R], acc [R][D], m, l, corr [R] each. */
+static inline __attribute__((always_inline)) void prefill_tile(const float *q, int64_t q_stride, float *out,
+                                                               int64_t out_stride, const float *k_cache,
+                                                               const float *v_cache, const int32_t *table, int p0,
+                                                               int rows, int window, int hkv, int h, int g,
+                                                               const int nv, float scale, float *w) {
+    const int d = 16 * nv;
+    const int64_t block_elems = (int64_t)BLOCK * d;
+    const int R = TILE * g, nrv = g; /* rows, and rows in 16-wide vectors */
+    float *qt = w, *st = qt + (size_t)d * R, *acc = st + (size_t)BLOCK * R;
+    float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;
+    int qpos[TILE * MAX_G];
+    for (int r = 0; r < R; r++) {
+        const int i = r / g, j = r % g;
+        qpos[r] = p0 + i;
+        for (int e = 0; e < d; e++)
+            qt[(size_t)e * R + r] = i < rows ? q[(int64_t)i * q_stride + (int64_t)(h * g + j) * d + e] * scale : 0.0f;
+        m[r] = -1e30f; /* finite: a row with no visible key yet never computes inf - inf */
+        l[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)R * d);
+    const int last = p0 + rows - 1;
+    const int first_any = window > 0 ? (p0 - window + 1 > 0 ? p0 - window + 1 : 0) : 0;
+    for (int b = first_any / BLOCK; b <= last / BLOCK; b++) {
+        const float *k = k_cache + ((int64_t)table[b] * hkv + h) * block_elems;
+        const float *v = v_cache + ((int64_t)table[b] * hkv + h) * block_elems;
+        const int kp0 = b * BLOCK;
+        const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK; /* keys past the tile's last query are never read */
+        /* st[t][r] = q_r . k_t */
+        for (int rv = 0; rv < nrv; rv++) {
+            v16f part[BLOCK];
+            for (int t = 0; t < BLOCK; t++) part[t] = (v16f){0};
+            for (int e = 0; e < d; e++) {
+                const v16f qe = load16(qt + (size_t)e * R + 16 * rv);
+                for (int t = 0; t < nk; t++) part[t] += qe * k[t * d + e];
+            }
+            for (int t = 0; t < nk; t++) store16(st + (size_t)t * R + 16 * rv, part[t]);
+        }
+        /* causal (and window) mask: only where the block reaches past a row's position or before its window */
+        const int masked = kp0 + nk - 1 > p0 || (window > 0 && kp0 <= last - window);
+        if (masked)
+            for (int t = 0; t < nk; t++)
+                for (int r = 0; r < R; r++)
+                    if (kp0 + t > qpos[r] || (window > 0 && kp0 + t <= qpos[r] - window)) st[(size_t)t * R + r] = -INFINITY;
+        /* online softmax along the rows */
+        for (int r = 0; r < R; r++) corr[r] = m[r];
+        for (int t = 0; t < nk; t++) {
+            const float *sr = st + (size_t)t * R;
+#pragma omp simd
+            for (int r = 0; r < R; r++) corr[r] = sr[r] > corr[r] ? sr[r] : corr[r];
+        }
+#pragma omp simd
+        for (int r = 0; r < R; r++) {
+            const float mn = corr[r];
+            corr[r] = exp_nonpositive(m[r] - mn);
+            m[r] = mn;
+            l[r] *= corr[r];
+        }
+        for (int t = 0; t < nk; t++) {
+            float *sr = st + (size_t)t * R;
+#pragma omp simd
+            for (int r = 0; r < R; r++) {
+                const float e = sr[r] == -INFINITY ? 0.0f : exp_nonpositive(sr[r] - m[r]);
+                sr[r] = e;
+                l[r] += e;
+            }
+        }
+        /* acc[r] = acc[r] * corr[r] + sum_t p[t][r] v_t */
+        for (int r = 0; r < rows * g; r++) {
+            v16f o[8];
+            for (int c = 0; c < nv; c++) o[c] = load16(acc + (size_t)r * d + 16 * c) * corr[r];
+            for (int t = 0; t < nk; t++) {
+                const float pt = st[(size_t)t * R + r];
+                for (int c = 0; c < nv; c++) o[c] += pt * load16(v + t * d + 16 * c);
+            }
+            for (int c = 0; c < nv; c++) store16(acc + (size_t)r * d + 16 * c, o[c]);
+        }
+    }
+    for (int r = 0; r < rows * g; r++) {
+        const int i = r / g, j = r % g;
+        const float inv = 1.0f / l[r];
+        float *dst = out + (int64_t)i * out_stride + (int64_t)(h * g + j) * d;
+        for (int c = 0; c < nv; c++) store16(dst + 16 * c, load16(acc + (size_t)r * d + 16 * c) * inv);
+    }
+}
+
+/* Returns 0; -1 when scratch memory could not be allocated; -2 for a shape without the vectorized
+ * form (block size not 16, D not 64 or 128, G over 16). */
+int sluice_paged_prefill_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *starts,
+                             const int32_t *q_lens, const int32_t *seq_lens, int n, const float *k_cache,
+                             const float *v_cache, const int32_t *block_tables, int64_t bt_stride, int hkv, int g,
+                             int d, int bs, float scale, int window, int num_threads) {
+    if (bs != BLOCK || g > MAX_G || (d != 64 && d != 128)) return -2;
+    if (num_threads < 1) num_threads = 1;
+    /* work items (chunk, tile, head), tiles of all chunks numbered in order */
+    int64_t *tile_start = malloc(sizeof(int64_t) * (n + 1));
+    if (tile_start == NULL) return -1;
+    tile_start[0] = 0;
+    for (int i = 0; i < n; i++) tile_start[i + 1] = tile_start[i] + (q_lens[i] + TILE - 1) / TILE;
+    const int64_t items = tile_start[n] * hkv;
+    const size_t rows_max = (size_t)TILE * g;
+    const size_t per_thread = rows_max * (2 * (size_t)d + BLOCK + 3);
+    float *scratch = malloc(sizeof(float) * per_thread * num_threads);
+    if (scratch == NULL) {
+        free(tile_start);
+        return -1;
+    }
+    /* later tiles see more context: hand them out first so the threads finish together */
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t it = items - 1; it >= 0; it--) {
+        float *w = scratch + per_thread * omp_get_thread_num();
+        const int h = (int)(it % hkv);
+        const int64_t tile = it / hkv;
+        int i = 0;
+        while (tile_start[i + 1] <= tile) i++;
+        const int ti = (int)(tile - tile_start[i]);
+        const int rows = q_lens[i] - ti * TILE < TILE ? q_lens[i] - ti * TILE : TILE;
+        const int p0 = seq_lens[i] - q_lens[i] + ti * TILE;
+        const int64_t row0 = starts[i] + (int64_t)ti * TILE;
+        const int32_t *table = block_tables + (int64_t)i * bt_stride;
+        if (d == 64)
+            prefill_tile(q + row0 * q_stride, q_stride, out + row0 * out_stride, out_stride, k_cache, v_cache, table,
+                         p0, rows, window, hkv, h, g, 4, scale, w);
+        else
+            prefill_tile(q + row0 * q_stride, q_stride, out + row0 * out_stride, out_stride, k_cache, v_cache, table,
+                         p0, rows, window, hkv, h, g, 8, scale, w);
+    }
+    free(scratch);
+    free(tile_start);
+    return 0;
+}

@@ -1,0 +1,52 @@
+"""Causal attention of prefill chunks through the paged cache, in C (`paged_prefill.c`), for
+float32 on the CPU with block size 16 and head size 64 or 128 (`supports`)."""
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+BLOCK_SIZE = 16
+HEAD_SIZES = (64, 128)
+MAX_GROUP = 16
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when the C kernel can serve these chunks (else use SDPA)."""
+    _, hq, d = q.shape
+    _, hkv, bs, _ = k_cache.shape
+    return (
+        q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        and bs == BLOCK_SIZE and d in HEAD_SIZES and hq // hkv <= MAX_GROUP and library() is not None
+    )
+
+
+def paged_prefill_cpu(
+    q: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None,
+) -> None:
+    """For each chunk i, rows starts[i] .. starts[i] + q_lens[i] - 1 of out [T, Hq, D] = causal
+    attention of those rows of q over positions 0 .. seq_lens[i] - 1 of its block table (only the
+    last sliding_window of them for each query, if set); the chunk's K/V are already in the cache.
+
+    starts [n] int64, q_lens and seq_lens [n] int32, block_tables [n, max_blocks] int32."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are unavailable")
+    _, hq, d = q.shape
+    _, hkv, bs, _ = k_cache.shape
+    for name, t in (("q", q), ("out", out)):
+        if t.stride(2) != 1 or t.stride(1) != d:
+            raise ValueError(f"{name}: each token's heads must be contiguous [Hq, D] rows, got strides {t.stride()}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if starts.dtype != torch.int64 or {q_lens.dtype, seq_lens.dtype, block_tables.dtype} != {torch.int32}:
+        raise ValueError("starts must be int64; q_lens, seq_lens and block_tables int32")
+    starts, q_lens, seq_lens, block_tables = (t.contiguous() for t in (starts, q_lens, seq_lens, block_tables))
+    rc = lib.sluice_paged_prefill_f32(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), starts.data_ptr(), q_lens.data_ptr(),
+        seq_lens.data_ptr(), starts.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), hkv, hq // hkv, d, bs, scale, sliding_window or 0, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged prefill kernel failed with code {rc}")

@@ -1,0 +1,70 @@
+/* Shared by the CPU kernels: a vectorizable exp for non-positive arguments, and 16-float vectors
+ * (GCC/Clang vector types: one AVX-512 register, two AVX2 ones) with the helpers both attention
+ * kernels use. */
+#ifndef SLUICE_SIMD_H
+#define SLUICE_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x) for x <= 0 in single precision, written so the compiler vectorizes the loops that call
+ * it (libm's expf is a scalar call). Range reduction by ln 2 split in two parts, then the Cephes
+ * degree-6 polynomial on [-ln2/2, ln2/2]: relative error ~2e-7, like expf. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x; /* exp(-87) is still a normal float; smaller weights are 0 anyway */
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store16(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline v16f pair_sum(v16f a, v16f b, v16i lo, v16i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+/* Blocks of a sequence need not be adjacent in memory: ask for the next one while computing on
+ * this one, so the hardware prefetcher's stop at a block boundary does not stall the loop. */
+static inline void prefetch_block(const float *p, int64_t elems) {
+    for (int64_t i = 0; i < elems; i += 16) __builtin_prefetch(p + i);
+}
+
+/* Lane t of the result = sum of the lanes of a[t]: 16 horizontal sums at once, the vectors
+ * transposed and added pairwise in 4 rounds of shuffles instead of reduced one by one. */
+static inline v16f transpose_sum16(const v16f a[16]) {
+    const v16i l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++) b[i] = pair_sum(a[2 * i], a[2 * i + 1], l1, h1);  /* rows 2i, 2i+1: 8 lanes each */
+    for (int i = 0; i < 4; i++) c[i] = pair_sum(b[2 * i], b[2 * i + 1], l2, h2);  /* 4 rows, 4 lanes each */
+    for (int i = 0; i < 2; i++) e[i] = pair_sum(c[2 * i], c[2 * i + 1], l3, h3);  /* 8 rows, 2 lanes each */
+    return pair_sum(e[0], e[1], l4, h4);
+}
+
+#endif

@@ -1,0 +1,100 @@
+"""Prefill attention in C (`cpu_kernels.paged_prefill`) against float64: chunks that start their
+sequence, chunks after cached context, a chunk sharing its sequence's first blocks with another,
+chunks shorter than a tile and spanning many, a sliding window. Cache slots past each sequence's
+end hold NaN, and so does every row of the output the kernel must not write."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engine.cpu_kernels.paged_prefill import paged_prefill_cpu, supports
+
+BS = 16
+
+
+def build(q_lens, seq_lens, hkv, group, d, seed, share=False):
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-s // BS) for s in seq_lens]
+    num_blocks = 2 * sum(nblk) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    width = max(nblk) + 2
+    table = perm[-1].repeat(len(seq_lens), width).clone()  # padding names an unused (poisoned) block
+    used = 0
+    for i, nb in enumerate(nblk):
+        table[i, :nb] = perm[used : used + nb]
+        used += nb
+    if share:  # the last chunk's sequence shares its first block with the one before
+        table[-1, 0] = table[-2, 0]
+    k = torch.randn(num_blocks, hkv, BS, d, generator=g)
+    v = torch.randn(num_blocks, hkv, BS, d, generator=g)
+    live = torch.zeros(num_blocks, BS, dtype=torch.bool)
+    for i, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        live[table[i, pos // BS], pos % BS] = True
+    k = k.masked_fill(~live[:, None, :, None], float("nan"))
+    v = v.masked_fill(~live[:, None, :, None], float("nan"))
+    # q rows of all chunks back to back, one spare row between chunks, inside a wider matrix
+    starts, row = [], 1
+    for n in q_lens:
+        starts.append(row)
+        row += n + 1
+    hq = hkv * group
+    wide = torch.randn(row, hq * d + 3 * d, generator=g) * 2
+    q = wide[:, : hq * d].view(row, hq, d)
+    return q, k, v, table.to(torch.int32), torch.tensor(starts), d ** -0.5
+
+
+def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    out = {}
+    for i, (start, n, s) in enumerate(zip(starts.tolist(), q_lens, seq_lens)):
+        pos = torch.arange(s)
+        kk = k[table[i, pos // BS].long(), :, pos % BS].double().repeat_interleave(hq // hkv, dim=1)  # [s, Hq, D]
+        vv = v[table[i, pos // BS].long(), :, pos % BS].double().repeat_interleave(hq // hkv, dim=1)
+        for j in range(n):
+            qpos = s - n + j
+            visible = pos <= qpos
+            if window:
+                visible &= pos > qpos - window
+            sc = torch.einsum("hd,lhd->hl", q[start + j].double(), kk[visible]) * scale
+            out[start + j] = torch.einsum("hl,lhd->hd", torch.softmax(sc, dim=-1), vv[visible])
+    return out
+
+
+def run(q, k, v, table, starts, q_lens, seq_lens, scale, window=None):
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_cpu(q, out, starts, torch.tensor(q_lens, dtype=torch.int32),
+                      torch.tensor(seq_lens, dtype=torch.int32), k, v, table, scale, window)
+    return out
+
+
+@pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 8, 128), (1, 1, 64)])
+def test_matches_float64(hkv, group, d):
+    # a whole prompt, a chunk after 40 cached tokens, a 2-token tail, a long chunk after 100
+    q_lens, seq_lens = [37, 20, 2, 150], [37, 60, 19, 250]
+    q, k, v, table, starts, scale = build(q_lens, seq_lens, hkv, group, d, seed=group, share=True)
+    out = run(q, k, v, table, starts, q_lens, seq_lens, scale)
+    want = reference(q, k, v, table, starts, q_lens, seq_lens, scale, None)
+    rows = torch.tensor(sorted(want))
+    torch.testing.assert_close(out[rows].double(), torch.stack([want[r] for r in sorted(want)]), rtol=1e-5, atol=1e-5)
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert out[others].isnan().all(), "the kernel wrote rows outside the chunks"
+
+
+def test_sliding_window():
+    q_lens, seq_lens = [50, 30], [50, 90]
+    q, k, v, table, starts, scale = build(q_lens, seq_lens, 2, 3, 64, seed=9)
+    out = run(q, k, v, table, starts, q_lens, seq_lens, scale, window=21)
+    want = reference(q, k, v, table, starts, q_lens, seq_lens, scale, 21)
+    for r, w in want.items():
+        torch.testing.assert_close(out[r].double(), w, rtol=1e-5, atol=1e-5)
+
+
+def test_supports_the_vectorized_shapes_only():
+    k16 = torch.zeros(4, 2, 16, 64)
+    assert supports(torch.zeros(3, 6, 64), k16)
+    assert not supports(torch.zeros(3, 6, 64), torch.zeros(4, 2, 8, 64))  # block size 8
+    assert not supports(torch.zeros(3, 6, 80), torch.zeros(4, 2, 16, 80))  # head size 80
+    assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k16.bfloat16())
