@@ -1,10 +1,12 @@
-"""A layer's attention step: write this step's K/V into its cache, then attend, on either path.
+"""A layer's attention step: write this step's K/V into its cache, then attend, on each path.
 
-torch: `attention.write_kv` and `attention.paged_attention` on a cache in the model dtype.
+torch: `attention.write_kv` and `attention.paged_attention` on a cache in the model dtype. A
+quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this step reads are
+dequantized into a compact temporary cache (block tables renumbered to match), so the same
+attention code runs on it.
+
 native (the CPU default where it builds): the same cache write, then decodes and prefill chunks
-through the C kernels of `cpu_kernels` (float32 caches; other dtypes keep the torch path). A quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks this
-step reads are dequantized into a compact temporary cache (block tables renumbered to match), so
-the same attention code runs on it.
+through the C kernels of `cpu_kernels` (float32 caches; other dtypes keep the torch path).
 
 triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
 a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their

@@ -2,8 +2,8 @@
 
 Every module holds one concept: `<op>_torch` (plain torch, the reference and the CPU fallback)
 and `<op>_triton` (the kernel) with the same signature. The engine picks the Triton ones on CUDA;
-on the CPU it runs the torch path with decode attention in C (`sluice.engine.cpu_kernels`,
-backend "native") where a C compiler built it, else plain torch. `EngineConfig.kernels`
+on the CPU it runs the torch path with attention and the small per-layer ops in C
+(`sluice.engine.cpu_kernels`, backend "native") where a C compiler built them, else plain torch. `EngineConfig.kernels`
 ("auto", "torch", "triton", "native") forces one.
 On a machine without a GPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, which
 must be set before these modules are imported): that is how the tests check them on the CPU.
