@@ -79,7 +79,8 @@ def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(args.model, EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, dtype=args.dtype,
-                                                max_num_batched_tokens=args.max_num_batched_tokens))
+                                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                                kernels=args.kernels))
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
     log(f"engine: {len(prompts)} requests in-process")
@@ -103,7 +104,7 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     cmd = [sys.executable, "-m", "sluice", "run", "--topic-prefix", prefix, "--no-sessions",
            "--bootstrap-servers", args.bootstrap_servers, "--kv-cache-mb", str(args.kv_cache_mb),
            "--dtype", args.dtype, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-in-flight", str(max(64, len(prompts)))]
+           "--max-in-flight", str(max(64, len(prompts))), "--kernels", args.kernels]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
@@ -185,6 +186,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
+                        help="the engine's kernels on both sides (auto: native where it builds)")
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
