@@ -6,7 +6,9 @@ dequantized into a compact temporary cache (block tables renumbered to match), s
 attention code runs on it.
 
 native (the CPU default where it builds): the same cache write, then decodes and prefill chunks
-through the C kernels of `cpu_kernels` (float32 caches; other dtypes keep the torch path).
+through the C kernels of `cpu_kernels` (float32 caches; the decode kernel also reads an int8
+cache directly, its prefills going through SDPA on a dequantized copy; other dtypes keep the torch
+path).
 
 triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
 a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their
@@ -69,6 +71,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCach
     from .kernels.kv_cache import write_kv_torch
 
     write_kv_torch(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    if kernels == "native" and _native_decodes(q, cache.k):
+        return _attend_native(q, k, v, cache, meta, scale)
     compact = _compact(meta, "_compact_all", None)
     kc, vc = _dequantize(cache, compact.ids, q.dtype)
     return paged_attention(q, kc, vc, compact.meta, scale, k, v)
@@ -86,17 +90,25 @@ def _attend_triton(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale:
             cache.k_scale, cache.v_scale, meta.sliding_window, max_seq_len=rows.max_seq_len,
         )
         out.index_copy_(0, rows.tokens, o)
-    prefills = plan_torch(meta, hkv, with_decodes=False).prefills
-    if prefills:
-        if cache.quantized:
-            qlens = meta.query_lens()
-            compact = _compact(meta, "_compact_prefills", np.flatnonzero(qlens > 1))
-            kc, vc = _dequantize(cache, compact.ids, q.dtype)
-            prefills = plan_torch(compact.meta, hkv, with_decodes=False).prefills
-        else:
-            kc, vc = cache.k, cache.v
-        _prefill_attention(q, kc, vc, prefills, out, scale, k, v)
+    _prefills_through_sdpa(q, k, v, cache, meta, out, scale)
     return out
+
+
+def _prefills_through_sdpa(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, out, scale: float) -> None:
+    """The step's prefill chunks through SDPA into `out`, on a dequantized copy of their blocks
+    when the cache is quantized."""
+    hkv = cache.k.shape[1]
+    prefills = plan_torch(meta, hkv, with_decodes=False).prefills
+    if not prefills:
+        return
+    if cache.quantized:
+        qlens = meta.query_lens()
+        compact = _compact(meta, "_compact_prefills", np.flatnonzero(qlens > 1))
+        kc, vc = _dequantize(cache, compact.ids, q.dtype)
+        prefills = plan_torch(compact.meta, hkv, with_decodes=False).prefills
+    else:
+        kc, vc = cache.k, cache.v
+    _prefill_attention(q, kc, vc, prefills, out, scale, k, v)
 
 
 def _native_decodes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -106,8 +118,9 @@ def _native_decodes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decodes and prefill chunks through the C kernels on the cache in place (chunks through SDPA
-    where the prefill kernel lacks the shape)."""
+    """Decodes and prefill chunks through the C kernels on the cache in place, an int8 cache read
+    directly by the decode kernel; chunks through SDPA where the prefill kernel lacks the shape or
+    the cache is quantized."""
     from .cpu_kernels import paged_prefill
     from .cpu_kernels.paged_decode import paged_decode_cpu
 
@@ -115,16 +128,15 @@ def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale:
     rows = _decode_rows(meta)
     if rows is not None:
         paged_decode_cpu(q, out, rows.tokens, cache.k, cache.v, rows.block_tables, rows.seq_lens, scale,
-                         meta.sliding_window, rows.max_seq_len)
+                         meta.sliding_window, rows.max_seq_len, cache.k_scale, cache.v_scale)
     chunks = _prefill_rows(meta)
     if chunks is None:
         return out
-    if paged_prefill.supports(q, cache.k):
+    if not cache.quantized and paged_prefill.supports(q, cache.k):
         paged_prefill.paged_prefill_cpu(q, out, chunks.starts, chunks.q_lens, chunks.seq_lens, cache.k, cache.v,
                                         chunks.block_tables, scale, meta.sliding_window)
     else:
-        prefills = plan_torch(meta, cache.k.shape[1], with_decodes=False).prefills
-        _prefill_attention(q, cache.k, cache.v, prefills, out, scale, k, v)
+        _prefills_through_sdpa(q, k, v, cache, meta, out, scale)
     return out
 
 

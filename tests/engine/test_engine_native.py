@@ -15,15 +15,17 @@ from test_engine_kernels import MODELS, engine, greedy, greedy_results, prompts
 # vectorized decode and prefill kernels.
 D64 = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 CASES = [(name, 4) for name in MODELS] + [("llama-gqa", 16), ("llama-d64", 16), ("mistral-window-d64", 16)]
-ALL_MODELS = {**MODELS, "llama-d64": ("llama", D64), "mistral-window-d64": ("mistral", {**D64, "sliding_window": 24})}
+CASES += [("llama-d64-int8kv", 16)]  # the decode kernel reading the int8 cache directly
+ALL_MODELS = {**MODELS, "llama-d64": ("llama", D64), "mistral-window-d64": ("mistral", {**D64, "sliding_window": 24}),
+              "llama-d64-int8kv": ("llama", D64)}
 
 
 @pytest.mark.parametrize("name,block_size", CASES, ids=[f"{n}-block{b}" for n, b in CASES])
 def test_native_gives_the_torch_paths_greedy_tokens(tmp_path, name, block_size):
     kind, overrides = ALL_MODELS[name]
     build(kind, **overrides).save_pretrained(tmp_path)
-    on_native = engine(tmp_path, "native", block_size=block_size, device="cpu")
-    on_torch = engine(tmp_path, "torch", block_size=block_size, device="cpu")
+    config = dict(block_size=block_size, device="cpu", kv_cache_dtype="int8" if name.endswith("int8kv") else "auto")
+    on_native, on_torch = engine(tmp_path, "native", **config), engine(tmp_path, "torch", **config)
     assert on_native.kernels == "native" and on_torch.kernels == "torch"
     ps = prompts(on_torch.model_config.vocab_size)
     assert greedy(on_native, ps) == greedy(on_torch, ps)

@@ -126,8 +126,8 @@ def _build(cc: str, sources: list[Path], target: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "sluice_paged_decode_f32": (i32, [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, i64, ptr, i32, i32, i32, i32,
-                                          f32, i32, i32, i32]),
+        "sluice_paged_decode": (i32, [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32,
+                                      i32, f32, i32, i32, i32]),
         "sluice_paged_prefill_f32": (i32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, i32, i32,
                                            i32, f32, i32, i32]),
         "sluice_add_rmsnorm_f32": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32]),

@@ -101,28 +101,46 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 #define FAST_BLOCK 16
 #define FAST_MAX_G 16
 
+/* One block of one head as floats: the cache itself when float32; an int8 block widened into
+ * `buf` (once, then read by every query of the head; the scale is applied by the caller). */
+static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems, const int quantized,
+                                          float *restrict buf) {
+    if (!quantized) return (const float *)cache + idx;
+    const int8_t *restrict src = (const int8_t *)cache + idx;
+#pragma omp simd
+    for (int64_t i = 0; i < elems; i++) buf[i] = (float)src[i];
+    return buf;
+}
+
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each
- * head. qs: scratch of Hq * D floats (the queries, scaled); scores: scratch of Hq rows of `stride`
+ * head. quantized: the cache holds int8 with one float32 scale per (block, KV head) in k_scale /
+ * v_scale ([num_blocks, Hkv]); the K scale multiplies a block's scores, the V scale its weights.
+ * qs: scratch of Hq * D floats (the queries, scaled); scores: scratch of Hq rows of `stride`
  * floats, kept per whole block from base = first rounded down to the block. */
-static inline __attribute__((always_inline)) void decode_seq_fast(const float *q, float *out, const float *k_cache,
-                                                                 const float *v_cache, const int32_t *table,
-                                                                 int first, int len, int hkv, int g, const int nv,
-                                                                 float scale, float *qs, float *scores) {
+static inline __attribute__((always_inline)) void decode_seq_fast(
+    const float *q, float *out, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
+    const int32_t *table, int first, int len, int hkv, int g, const int nv, const int quantized, float scale, float *qs,
+    float *scores) {
     const int d = 16 * nv, hq = hkv * g;
     const int64_t block_elems = (int64_t)FAST_BLOCK * d;
+    const int64_t elem_bytes = quantized ? 1 : sizeof(float);
     const int b0 = first / FAST_BLOCK, b1 = (len + FAST_BLOCK - 1) / FAST_BLOCK;
     const int64_t stride = (int64_t)(b1 - b0) * FAST_BLOCK;
     const int lo = first - b0 * FAST_BLOCK, hi = len - b0 * FAST_BLOCK;
+    float widened[FAST_BLOCK * 128]; /* an int8 block of one head as floats, read by all its queries */
 
     for (int r = 0; r < hq; r++)
         for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16(q + r * d + 16 * c) * scale);
 
     for (int b = b0; b < b1; b++) {
-        const float *kb = k_cache + (int64_t)table[b] * hkv * block_elems;
-        if (b + 1 < b1) prefetch_block(k_cache + (int64_t)table[b + 1] * hkv * block_elems, hkv * block_elems);
+        const int64_t kb = (int64_t)table[b] * hkv * block_elems;
+        if (b + 1 < b1)
+            prefetch_bytes((const char *)k_cache + (int64_t)table[b + 1] * hkv * block_elems * elem_bytes,
+                           hkv * block_elems * elem_bytes);
         for (int h = 0; h < hkv; h++) {
-            const float *k = kb + h * block_elems;
+            const float *k = block_as_float(k_cache, kb + h * block_elems, block_elems, quantized, widened);
+            const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             for (int j = 0; j < g; j++) {
                 const float *qr = qs + (h * g + j) * d;
                 v16f part[16];
@@ -131,7 +149,9 @@ static inline __attribute__((always_inline)) void decode_seq_fast(const float *q
                     for (int c = 1; c < nv; c++) acc += load16(qr + 16 * c) * load16(k + t * d + 16 * c);
                     part[t] = acc;
                 }
-                store16(scores + (h * g + j) * stride + (b - b0) * FAST_BLOCK, transpose_sum16(part));
+                v16f sc = transpose_sum16(part);
+                if (quantized) sc *= ks;
+                store16(scores + (h * g + j) * stride + (b - b0) * FAST_BLOCK, sc);
             }
         }
     }
@@ -155,12 +175,15 @@ static inline __attribute__((always_inline)) void decode_seq_fast(const float *q
     }
 
     for (int b = b0; b < b1; b++) {
-        const float *vb = v_cache + (int64_t)table[b] * hkv * block_elems;
-        if (b + 1 < b1) prefetch_block(v_cache + (int64_t)table[b + 1] * hkv * block_elems, hkv * block_elems);
+        const int64_t vb = (int64_t)table[b] * hkv * block_elems;
+        if (b + 1 < b1)
+            prefetch_bytes((const char *)v_cache + (int64_t)table[b + 1] * hkv * block_elems * elem_bytes,
+                           hkv * block_elems * elem_bytes);
         const int t0 = b == b0 ? lo : 0;
         const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
         for (int h = 0; h < hkv; h++) {
-            const float *v = vb + h * block_elems;
+            const float *v = block_as_float(v_cache, vb + h * block_elems, block_elems, quantized, widened);
+            const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             v16f acc[FAST_MAX_G][8];
             for (int j = 0; j < g; j++)
                 for (int c = 0; c < nv; c++) acc[j][c] = load16(out + (h * g + j) * d + 16 * c);
@@ -168,7 +191,8 @@ static inline __attribute__((always_inline)) void decode_seq_fast(const float *q
                 v16f vt[8];
                 for (int c = 0; c < nv; c++) vt[c] = load16(v + t * d + 16 * c);
                 for (int j = 0; j < g; j++) {
-                    const float w = scores[(h * g + j) * stride + (b - b0) * FAST_BLOCK + t];
+                    float w = scores[(h * g + j) * stride + (b - b0) * FAST_BLOCK + t];
+                    if (quantized) w *= vs;
                     for (int c = 0; c < nv; c++) acc[j][c] += w * vt[c];
                 }
             }
@@ -182,15 +206,19 @@ static inline __attribute__((always_inline)) void decode_seq_fast(const float *q
     }
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated, -2 for G over 64. */
-int sluice_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *tokens,
-                            int n, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                            int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d, int bs, float scale,
-                            int window, int max_len, int num_threads) {
+/* Decode attention for float32 caches (k_scale NULL) or int8 ones with per-(block, KV head)
+ * scales (vectorized shapes only: block 16, D 64 or 128, G <= 16). Returns 0, or -1 when scratch
+ * memory could not be allocated, -2 for a shape the cache type has no path for. */
+int sluice_paged_decode(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *tokens, int n,
+                        const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
+                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d,
+                        int bs, float scale, int window, int max_len, int num_threads) {
     if (g > 64) return -2;
     if (num_threads < 1) num_threads = 1;
     const int hq = hkv * g;
+    const int quantized = k_scale != NULL;
     const int fast = bs == FAST_BLOCK && g <= FAST_MAX_G && (d == 64 || d == 128);
+    if (quantized && !fast) return -2;
     /* per thread: scores of every head (with room for whole first and last blocks), then the
      * scaled queries (fast path) or one head's accumulator (generic path) */
     const size_t scores_len = (size_t)hq * (max_len + 2 * (size_t)bs);
@@ -207,16 +235,22 @@ int sluice_paged_decode_f32(const float *q, int64_t q_stride, float *out, int64_
         const float *qi = q + tokens[i] * q_stride;
         float *oi = out + tokens[i] * out_stride;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-        if (fast && d == 64) {
-            decode_seq_fast(qi, oi, k_cache, v_cache, table, first, len, hkv, g, 4, scale, extra, scores);
-        } else if (fast) {
-            decode_seq_fast(qi, oi, k_cache, v_cache, table, first, len, hkv, g, 8, scale, extra, scores);
-        } else {
+        /* constant arguments: the compiler makes one specialized copy per call */
+        if (fast && d == 64 && !quantized)
+            decode_seq_fast(qi, oi, k_cache, v_cache, NULL, NULL, table, first, len, hkv, g, 4, 0, scale, extra, scores);
+        else if (fast && !quantized)
+            decode_seq_fast(qi, oi, k_cache, v_cache, NULL, NULL, table, first, len, hkv, g, 8, 0, scale, extra, scores);
+        else if (d == 64 && quantized)
+            decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, 4, 1, scale, extra,
+                            scores);
+        else if (quantized)
+            decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, 8, 1, scale, extra,
+                            scores);
+        else
             /* query heads h*G .. h*G+G-1 are consecutive [D] rows of the token's q (and out) */
             for (int h = 0; h < hkv; h++)
                 decode_item(qi + (int64_t)h * g * d, oi + (int64_t)h * g * d, k_cache, v_cache, table, first, len,
                             hkv, h, g, d, bs, scale, scores, extra);
-        }
     }
     free(scratch);
     return 0;

@@ -45,8 +45,8 @@ static inline v16f pair_sum(v16f a, v16f b, v16i lo, v16i hi) {
 
 /* Blocks of a sequence need not be adjacent in memory: ask for the next one while computing on
  * this one, so the hardware prefetcher's stop at a block boundary does not stall the loop. */
-static inline void prefetch_block(const float *p, int64_t elems) {
-    for (int64_t i = 0; i < elems; i += 16) __builtin_prefetch(p + i);
+static inline void prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i);
 }
 
 /* Lane t of the result = sum of the lanes of a[t]: 16 horizontal sums at once, the vectors

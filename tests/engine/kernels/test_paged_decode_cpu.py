@@ -27,7 +27,7 @@ def test_the_kernels_build_on_this_machine():
 def run_native(args, *, stride_pad: int = 0, extra_rows: int = 0):
     """The kernel on decode rows placed among other rows (extra_rows before each) of a wider q
     (stride_pad more elements per row, like q inside the fused qkv), output NaN-filled first."""
-    q, k_cache, v_cache, table, lens, scale, _, _, window = args
+    q, k_cache, v_cache, table, lens, scale, k_scale, v_scale, window = args
     n, hq, d = q.shape
     rows = n * (extra_rows + 1)
     tokens = torch.arange(n, dtype=torch.int64) * (extra_rows + 1) + extra_rows
@@ -35,7 +35,7 @@ def run_native(args, *, stride_pad: int = 0, extra_rows: int = 0):
     q_rows = wide[:, : hq * d].view(rows, hq, d)
     q_rows[tokens] = q
     out = torch.full((rows, hq, d), float("nan"))
-    paged_decode_cpu(q_rows, out, tokens, k_cache, v_cache, table, lens, scale, window, int(lens.max()))
+    paged_decode_cpu(q_rows, out, tokens, k_cache, v_cache, table, lens, scale, window, int(lens.max()), k_scale, v_scale)
     others = torch.ones(rows, dtype=torch.bool)
     others[tokens] = False
     assert out[others].isnan().all(), "the kernel wrote rows that are not its decode tokens"
@@ -72,12 +72,32 @@ def test_sliding_window_never_reads_before_it(bs):
     check(args, seen)
 
 
+@pytest.mark.parametrize("hkv,group,d,window", [(3, 3, 64, None), (2, 8, 128, 37), (1, 1, 64, None)])
+def test_int8_cache_read_directly(hkv, group, d, window):
+    """int8 values and per-(block, head) scales (127 in unused slots, NaN scales on unused blocks):
+    the kernel dequantizes as it reads and agrees with the torch reference and with float64 on the
+    dequantized values; against the unquantized values only as close as int8 allows."""
+    args, seen, raw = build_case(LENS + [33], hkv, group, d, 16, torch.float32, quant=torch.int8, window=window,
+                                 share=1, seed=11 + d)
+    check(args, seen)
+    q, _, _, table, lens, scale, _, _, window = args
+    exact = attention_f64(q, *raw, table, lens, scale, window)
+    err = (run_native(args).double() - exact).abs().max().item()
+    assert 1e-6 < err < 0.1, err  # a missing or wrong scale is off by far more (values ~absmax/127)
+
+
+def test_int8_needs_the_vectorized_shape():
+    assert supports(torch.zeros(3, 6, 64), torch.zeros(4, 2, 16, 64, dtype=torch.int8))
+    assert not supports(torch.zeros(3, 6, 64), torch.zeros(4, 2, 8, 64, dtype=torch.int8))
+    assert not supports(torch.zeros(3, 6, 80), torch.zeros(4, 2, 16, 80, dtype=torch.int8))
+
+
 def test_one_long_context():
     args, seen, _ = build_case([4100], 1, 3, 64, 16, torch.float32, seed=5)
     check(args, seen)
 
 
-def test_supports_only_float32_on_the_cpu():
+def test_supports_only_float32_queries_on_the_cpu():
     k = torch.zeros(4, 2, 16, 64)
     assert supports(torch.zeros(3, 6, 64), k)
     assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k.bfloat16())
