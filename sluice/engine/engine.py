@@ -120,12 +120,13 @@ class LLMEngine:
         m = self.memory
         log.info(
             "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s, kernels %s; "
-            "weights %.0f MiB (%s, %.1fx smaller than %s); KV cache %d blocks x %d tokens "
+            "weights %.0f MiB (%s; %.0f MiB as plain %s tensors); KV cache %d blocks x %d tokens "
             "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); max_model_len %d; "
             "max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
             time.monotonic() - started, self.model_id, self.model_config.architecture,
             self.model_config.num_hidden_layers, self.config.dtype, self.config.device, self.kernels,
-            m.weight_bytes / 2**20, self.config.quantization or "unquantized", m.weight_shrink, self.config.dtype,
+            m.weight_bytes / 2**20, self.config.quantization or "unquantized", m.weight_bytes_unquantized / 2**20,
+            self.config.dtype,
             num_blocks, self.config.block_size, m.kv_cache_bytes / 2**20, m.kv_dtype, m.kv_tokens,
             m.kv_tokens_gain, self.config.dtype, self.max_model_len,
             self.config.max_num_batched_tokens, self.config.max_num_seqs,
