@@ -105,10 +105,13 @@ def _load() -> ctypes.CDLL:
 
 
 def _build(cc: str, sources: list[Path], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target, then rename: processes starting together never load a half-written file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target, then rename: processes starting together never load a half-written file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as e:
+        raise _Unavailable(f"cannot write to the kernel cache {target.parent} (set SLUICE_CACHE_DIR): {e}") from e
     cmd = [cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"]
     log.info("building native CPU kernels: %s", " ".join(cmd))
     try:

@@ -124,3 +124,21 @@ def test_a_missing_compiler_is_named(monkeypatch):
 def test_native_is_for_the_cpu_only():
     with pytest.raises(EngineError, match="CPU"):
         resolve_backend("native", "cuda")
+
+
+def test_an_unwritable_cache_dir_is_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(blocker))
+    assert cpu_kernels.library() is None
+    assert "SLUICE_CACHE_DIR" in cpu_kernels.unavailable_reason()
+
+
+def test_a_fresh_cache_dir_builds_and_runs(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
+    assert list((tmp_path / "cpu_kernels").glob("*.so"))
+    args, seen, _ = build_case([5, 40], 2, 3, 64, 16, torch.float32, seed=2)
+    check(args, seen)
