@@ -5,10 +5,9 @@ quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks 
 dequantized into a compact temporary cache (block tables renumbered to match), so the same
 attention code runs on it.
 
-native (the CPU default where it builds): the same cache write, then decodes and prefill chunks
-through the C kernels of `cpu_kernels` (float32 caches; the decode kernel also reads an int8
-cache directly, its prefills going through SDPA on a dequantized copy; other dtypes keep the torch
-path).
+native (the CPU default where it builds): decodes and prefill chunks through the C kernels of
+`cpu_kernels` (float32 caches; an int8 cache is written in C and read directly by the decode
+kernel, its prefills going through SDPA on a dequantized copy; other dtypes keep the torch path).
 
 triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
 a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their
@@ -70,7 +69,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCach
         return paged_attention(q, cache.k, cache.v, meta, scale, k, v)
     from .kernels.kv_cache import write_kv_torch
 
-    write_kv_torch(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    write = write_kv_torch
+    if kernels == "native":
+        from .cpu_kernels import kv_write
+
+        write = kv_write.write_kv_native if kv_write.supports(k, cache.k) else write_kv_torch
+    write(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     if kernels == "native" and _native_decodes(q, cache.k):
         return _attend_native(q, k, v, cache, meta, scale)
     compact = _compact(meta, "_compact_all", None)

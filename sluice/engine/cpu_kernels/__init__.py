@@ -26,7 +26,7 @@ import torch  # noqa: F401  (loaded first: the library then shares torch's OpenM
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "paged_prefill.c", "layer_ops.c")
+SOURCES = ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "kv_write.c")
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
@@ -133,6 +133,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                       i32, f32, i32, i32, i32]),
         "sluice_paged_prefill_f32": (i32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, i64, i32, i32, i32,
                                            i32, f32, i32, i32]),
+        "sluice_write_kv_int8": (i32, [ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32, i32]),
         "sluice_add_rmsnorm_f32": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32]),
         "sluice_silu_and_mul_f32": (None, [ptr, i64, ptr, i64, i32, i32, i32]),
         "sluice_rotary_f32": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32]),
