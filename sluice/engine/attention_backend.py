@@ -6,8 +6,8 @@ dequantized into a compact temporary cache (block tables renumbered to match), s
 attention code runs on it.
 
 native (the CPU default where it builds): decodes and prefill chunks through the C kernels of
-`cpu_kernels` (float32 caches; an int8 cache is written in C and read directly by the decode
-kernel, its prefills going through SDPA on a dequantized copy; other dtypes keep the torch path).
+`cpu_kernels` (float32 models; an int8 cache is written in C and read directly; bfloat16 keeps the
+torch path).
 
 triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
 a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their
@@ -122,9 +122,8 @@ def _native_decodes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decodes and prefill chunks through the C kernels on the cache in place, an int8 cache read
-    directly by the decode kernel; chunks through SDPA where the prefill kernel lacks the shape or
-    the cache is quantized."""
+    """Decodes and prefill chunks through the C kernels on the cache in place (an int8 one read
+    directly); chunks through SDPA where the prefill kernel lacks the shape."""
     from .cpu_kernels import paged_prefill
     from .cpu_kernels.paged_decode import paged_decode_cpu
 
@@ -136,9 +135,9 @@ def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale:
     chunks = _prefill_rows(meta)
     if chunks is None:
         return out
-    if not cache.quantized and paged_prefill.supports(q, cache.k):
+    if paged_prefill.supports(q, cache.k):
         paged_prefill.paged_prefill_cpu(q, out, chunks.starts, chunks.q_lens, chunks.seq_lens, cache.k, cache.v,
-                                        chunks.block_tables, scale, meta.sliding_window)
+                                        chunks.block_tables, scale, meta.sliding_window, cache.k_scale, cache.v_scale)
     else:
         _prefills_through_sdpa(q, k, v, cache, meta, out, scale)
     return out

@@ -101,17 +101,6 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 #define FAST_BLOCK 16
 #define FAST_MAX_G 16
 
-/* One block of one head as floats: the cache itself when float32; an int8 block widened into
- * `buf` (once, then read by every query of the head; the scale is applied by the caller). */
-static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems, const int quantized,
-                                          float *restrict buf) {
-    if (!quantized) return (const float *)cache + idx;
-    const int8_t *restrict src = (const int8_t *)cache + idx;
-#pragma omp simd
-    for (int64_t i = 0; i < elems; i++) buf[i] = (float)src[i];
-    return buf;
-}
-
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each
  * head. quantized: the cache holds int8 with one float32 scale per (block, KV head) in k_scale /

@@ -29,17 +29,17 @@
  * softmax runs along the rows in vectors, and q . k needs no horizontal sums: the queries are
  * transposed once per tile (qt[d][r]) and each key element is broadcast against 16 rows.
  * Scratch `w`: qt [D][R], st [16][R], acc [R][D], m, l, corr [R] each. */
-static inline __attribute__((always_inline)) void prefill_tile(const float *q, int64_t q_stride, float *out,
-                                                               int64_t out_stride, const float *k_cache,
-                                                               const float *v_cache, const int32_t *table, int p0,
-                                                               int rows, int window, int hkv, int h, int g,
-                                                               const int nv, float scale, float *w) {
+static inline __attribute__((always_inline)) void prefill_tile(
+    const float *q, int64_t q_stride, float *out, int64_t out_stride, const void *k_cache, const void *v_cache,
+    const float *k_scale, const float *v_scale, const int32_t *table, int p0, int rows, int window, int hkv, int h,
+    int g, const int nv, const int quantized, float scale, float *w) {
     const int d = 16 * nv;
     const int64_t block_elems = (int64_t)BLOCK * d;
     const int R = TILE * g, nrv = g; /* rows, and rows in 16-wide vectors */
     float *qt = w, *st = qt + (size_t)d * R, *acc = st + (size_t)BLOCK * R;
     float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;
     int qpos[TILE * MAX_G];
+    float kw[BLOCK * 128], vw[BLOCK * 128]; /* an int8 block of the head widened to floats */
     for (int r = 0; r < R; r++) {
         const int i = r / g, j = r % g;
         qpos[r] = p0 + i;
@@ -52,8 +52,11 @@ static inline __attribute__((always_inline)) void prefill_tile(const float *q, i
     const int last = p0 + rows - 1;
     const int first_any = window > 0 ? (p0 - window + 1 > 0 ? p0 - window + 1 : 0) : 0;
     for (int b = first_any / BLOCK; b <= last / BLOCK; b++) {
-        const float *k = k_cache + ((int64_t)table[b] * hkv + h) * block_elems;
-        const float *v = v_cache + ((int64_t)table[b] * hkv + h) * block_elems;
+        const int64_t at = ((int64_t)table[b] * hkv + h) * block_elems;
+        const float *k = block_as_float(k_cache, at, block_elems, quantized, kw);
+        const float *v = block_as_float(v_cache, at, block_elems, quantized, vw);
+        const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
+        const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const int kp0 = b * BLOCK;
         const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK; /* keys past the tile's last query are never read */
         /* st[t][r] = q_r . k_t */
@@ -64,7 +67,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const float *q, i
                 const v16f qe = load16(qt + (size_t)e * R + 16 * rv);
                 for (int t = 0; t < nk; t++) part[t] += qe * k[t * d + e];
             }
-            for (int t = 0; t < nk; t++) store16(st + (size_t)t * R + 16 * rv, part[t]);
+            for (int t = 0; t < nk; t++) store16(st + (size_t)t * R + 16 * rv, quantized ? part[t] * ks : part[t]);
         }
         /* causal (and window) mask: only where the block reaches past a row's position or before its window */
         const int masked = kp0 + nk - 1 > p0 || (window > 0 && kp0 <= last - window);
@@ -100,7 +103,7 @@ static inline __attribute__((always_inline)) void prefill_tile(const float *q, i
             v16f o[8];
             for (int c = 0; c < nv; c++) o[c] = load16(acc + (size_t)r * d + 16 * c) * corr[r];
             for (int t = 0; t < nk; t++) {
-                const float pt = st[(size_t)t * R + r];
+                const float pt = quantized ? st[(size_t)t * R + r] * vs : st[(size_t)t * R + r];
                 for (int c = 0; c < nv; c++) o[c] += pt * load16(v + t * d + 16 * c);
             }
             for (int c = 0; c < nv; c++) store16(acc + (size_t)r * d + 16 * c, o[c]);
@@ -114,14 +117,16 @@ static inline __attribute__((always_inline)) void prefill_tile(const float *q, i
     }
 }
 
-/* Returns 0; -1 when scratch memory could not be allocated; -2 for a shape without the vectorized
- * form (block size not 16, D not 64 or 128, G over 16). */
-int sluice_paged_prefill_f32(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *starts,
-                             const int32_t *q_lens, const int32_t *seq_lens, int n, const float *k_cache,
-                             const float *v_cache, const int32_t *block_tables, int64_t bt_stride, int hkv, int g,
-                             int d, int bs, float scale, int window, int num_threads) {
+/* Prefill attention for float32 caches (k_scale NULL) or int8 ones with per-(block, KV head)
+ * scales. Returns 0; -1 when scratch memory could not be allocated; -2 for a shape without the
+ * vectorized form (block size not 16, D not 64 or 128, G over 16). */
+int sluice_paged_prefill(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *starts,
+                         const int32_t *q_lens, const int32_t *seq_lens, int n, const void *k_cache,
+                         const void *v_cache, const float *k_scale, const float *v_scale, const int32_t *block_tables,
+                         int64_t bt_stride, int hkv, int g, int d, int bs, float scale, int window, int num_threads) {
     if (bs != BLOCK || g > MAX_G || (d != 64 && d != 128)) return -2;
     if (num_threads < 1) num_threads = 1;
+    const int quantized = k_scale != NULL;
     /* work items (chunk, tile, head), tiles of all chunks numbered in order */
     int64_t *tile_start = malloc(sizeof(int64_t) * (n + 1));
     if (tile_start == NULL) return -1;
@@ -146,14 +151,22 @@ int sluice_paged_prefill_f32(const float *q, int64_t q_stride, float *out, int64
         const int ti = (int)(tile - tile_start[i]);
         const int rows = q_lens[i] - ti * TILE < TILE ? q_lens[i] - ti * TILE : TILE;
         const int p0 = seq_lens[i] - q_lens[i] + ti * TILE;
-        const int64_t row0 = starts[i] + (int64_t)ti * TILE;
+        const float *qi = q + (starts[i] + (int64_t)ti * TILE) * q_stride;
+        float *oi = out + (starts[i] + (int64_t)ti * TILE) * out_stride;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-        if (d == 64)
-            prefill_tile(q + row0 * q_stride, q_stride, out + row0 * out_stride, out_stride, k_cache, v_cache, table,
-                         p0, rows, window, hkv, h, g, 4, scale, w);
+        /* constant arguments: the compiler makes one specialized copy per call */
+        if (d == 64 && !quantized)
+            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, NULL, NULL, table, p0, rows, window, hkv, h,
+                         g, 4, 0, scale, w);
+        else if (!quantized)
+            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, NULL, NULL, table, p0, rows, window, hkv, h,
+                         g, 8, 0, scale, w);
+        else if (d == 64)
+            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window,
+                         hkv, h, g, 4, 1, scale, w);
         else
-            prefill_tile(q + row0 * q_stride, q_stride, out + row0 * out_stride, out_stride, k_cache, v_cache, table,
-                         p0, rows, window, hkv, h, g, 8, scale, w);
+            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window,
+                         hkv, h, g, 8, 1, scale, w);
     }
     free(scratch);
     free(tile_start);

@@ -1,5 +1,6 @@
 """Causal attention of prefill chunks through the paged cache, in C (`paged_prefill.c`), for
-float32 on the CPU with block size 16 and head size 64 or 128 (`supports`)."""
+float32 queries on the CPU over a float32 cache or an int8 one with per-(block, KV head) scales,
+block size 16 and head size 64 or 128 (`supports`)."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     return (
-        q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+        q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.int8)
         and bs == BLOCK_SIZE and d in HEAD_SIZES and hq // hkv <= MAX_GROUP and library() is not None
     )
 
@@ -24,12 +25,14 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def paged_prefill_cpu(
     q: torch.Tensor, out: torch.Tensor, starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int | None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """For each chunk i, rows starts[i] .. starts[i] + q_lens[i] - 1 of out [T, Hq, D] = causal
     attention of those rows of q over positions 0 .. seq_lens[i] - 1 of its block table (only the
     last sliding_window of them for each query, if set); the chunk's K/V are already in the cache.
 
-    starts [n] int64, q_lens and seq_lens [n] int32, block_tables [n, max_blocks] int32."""
+    starts [n] int64, q_lens and seq_lens [n] int32, block_tables [n, max_blocks] int32; an int8
+    cache comes with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale)."""
     lib = library()
     if lib is None:
         raise RuntimeError("native CPU kernels are unavailable")
@@ -40,12 +43,19 @@ def paged_prefill_cpu(
             raise ValueError(f"{name}: each token's heads must be contiguous [Hq, D] rows, got strides {t.stride()}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    quantized = k_cache.dtype == torch.int8
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("an int8 cache needs k_scale and v_scale; a float32 one takes none")
+    if quantized and not (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.is_contiguous()
+                          and v_scale.is_contiguous()):
+        raise ValueError("k_scale and v_scale must be contiguous float32 [num_blocks, Hkv]")
     if starts.dtype != torch.int64 or {q_lens.dtype, seq_lens.dtype, block_tables.dtype} != {torch.int32}:
         raise ValueError("starts must be int64; q_lens, seq_lens and block_tables int32")
     starts, q_lens, seq_lens, block_tables = (t.contiguous() for t in (starts, q_lens, seq_lens, block_tables))
-    rc = lib.sluice_paged_prefill_f32(
+    rc = lib.sluice_paged_prefill(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), starts.data_ptr(), q_lens.data_ptr(),
-        seq_lens.data_ptr(), starts.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), starts.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scale.data_ptr() if quantized else None, v_scale.data_ptr() if quantized else None, block_tables.data_ptr(),
         block_tables.stride(0), hkv, hq // hkv, d, bs, scale, sliding_window or 0, torch.get_num_threads(),
     )
     if rc != 0:

@@ -67,4 +67,15 @@ static inline v16f transpose_sum16(const v16f a[16]) {
     return pair_sum(e[0], e[1], l4, h4);
 }
 
+/* One block of one head as floats: the cache itself when float32; an int8 block widened into
+ * `buf` (once, then read by every query of the head; the scale is applied by the caller). */
+static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems, const int quantized,
+                                          float *restrict buf) {
+    if (!quantized) return (const float *)cache + idx;
+    const int8_t *restrict src = (const int8_t *)cache + idx;
+#pragma omp simd
+    for (int64_t i = 0; i < elems; i++) buf[i] = (float)src[i];
+    return buf;
+}
+
 #endif

@@ -62,11 +62,23 @@ def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
     return out
 
 
-def run(q, k, v, table, starts, q_lens, seq_lens, scale, window=None):
+def run(q, k, v, table, starts, q_lens, seq_lens, scale, window=None, k_scale=None, v_scale=None):
     out = torch.full_like(q, float("nan"))
     paged_prefill_cpu(q, out, starts, torch.tensor(q_lens, dtype=torch.int32),
-                      torch.tensor(seq_lens, dtype=torch.int32), k, v, table, scale, window)
+                      torch.tensor(seq_lens, dtype=torch.int32), k, v, table, scale, window, k_scale, v_scale)
     return out
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[nb, Hkv, bs, D] with NaN in dead slots -> (int8 with 127 in dead slots, scales [nb, Hkv]
+    (NaN where a block holds nothing live), the dequantized values with NaN kept in dead slots)."""
+    dead = x.isnan()
+    scale = x.nan_to_num(0).abs().amax(dim=(2, 3)) / 127
+    scale = torch.where(scale > 0, scale, torch.tensor(float("nan")))
+    stored = (x / scale[..., None, None]).round().clamp(-127, 127).nan_to_num(127).to(torch.int8)
+    stored = torch.where(dead, torch.tensor(127, dtype=torch.int8), stored)
+    seen = (stored.float() * scale[..., None, None]).masked_fill(dead, float("nan"))
+    return stored, scale, seen
 
 
 @pytest.mark.parametrize("hkv,group,d", [(3, 3, 64), (2, 8, 128), (1, 1, 64)])
@@ -81,6 +93,20 @@ def test_matches_float64(hkv, group, d):
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[rows] = False
     assert out[others].isnan().all(), "the kernel wrote rows outside the chunks"
+
+
+@pytest.mark.parametrize("window", [None, 21])
+def test_int8_cache_read_directly(window):
+    q_lens, seq_lens = [37, 20, 150], [37, 60, 250]
+    q, k, v, table, starts, scale = build(q_lens, seq_lens, 3, 3, 64, seed=4, share=True)
+    (kq, ks, k_seen), (vq, vs, v_seen) = quantize_int8(k), quantize_int8(v)
+    out = run(q, kq, vq, table, starts, q_lens, seq_lens, scale, window, ks, vs)
+    want = reference(q, k_seen, v_seen, table, starts, q_lens, seq_lens, scale, window)
+    for r, w in want.items():
+        torch.testing.assert_close(out[r].double(), w, rtol=1e-5, atol=1e-5)
+    exact = reference(q, k, v, table, starts, q_lens, seq_lens, scale, window)  # unquantized values
+    err = max((out[r].double() - w).abs().max().item() for r, w in exact.items())
+    assert 1e-6 < err < 0.1, err
 
 
 def test_sliding_window():
@@ -98,3 +124,4 @@ def test_supports_the_vectorized_shapes_only():
     assert not supports(torch.zeros(3, 6, 64), torch.zeros(4, 2, 8, 64))  # block size 8
     assert not supports(torch.zeros(3, 6, 80), torch.zeros(4, 2, 16, 80))  # head size 80
     assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k16.bfloat16())
+    assert supports(torch.zeros(3, 6, 64), k16.to(torch.int8))
