@@ -5,9 +5,9 @@ quantized cache is written by `kernels.kv_cache.write_kv_torch`, and the blocks 
 dequantized into a compact temporary cache (block tables renumbered to match), so the same
 attention code runs on it.
 
-native (the CPU default where it builds): decodes and prefill chunks through the C kernels of
-`cpu_kernels` (float32 models; an int8 cache is written in C and read directly; bfloat16 keeps the
-torch path).
+native (the CPU default where it builds): the cache write, decodes and prefill chunks through the
+C kernels of `cpu_kernels` (float32 models, float32 or int8 caches, the int8 one read directly;
+bfloat16 keeps the torch path).
 
 triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
 a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their
@@ -62,21 +62,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCach
 
         write_kv_triton(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         return _attend_triton(q, k, v, cache, meta, scale)
+    if kernels == "native" and _native_serves(q, k, cache.k):
+        from .cpu_kernels.kv_write import write_kv_native
+
+        write_kv_native(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        return _attend_native(q, k, v, cache, meta, scale)
     if not cache.quantized:
         write_kv(k, v, cache.k, cache.v, meta)
-        if kernels == "native" and _native_decodes(q, cache.k):
-            return _attend_native(q, k, v, cache, meta, scale)
         return paged_attention(q, cache.k, cache.v, meta, scale, k, v)
     from .kernels.kv_cache import write_kv_torch
 
-    write = write_kv_torch
-    if kernels == "native":
-        from .cpu_kernels import kv_write
-
-        write = kv_write.write_kv_native if kv_write.supports(k, cache.k) else write_kv_torch
-    write(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
-    if kernels == "native" and _native_decodes(q, cache.k):
-        return _attend_native(q, k, v, cache, meta, scale)
+    write_kv_torch(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     compact = _compact(meta, "_compact_all", None)
     kc, vc = _dequantize(cache, compact.ids, q.dtype)
     return paged_attention(q, kc, vc, compact.meta, scale, k, v)
@@ -115,10 +111,11 @@ def _prefills_through_sdpa(q, k, v, cache: LayerKVCache, meta: AttentionMetadata
     _prefill_attention(q, kc, vc, prefills, out, scale, k, v)
 
 
-def _native_decodes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    from .cpu_kernels.paged_decode import supports
+def _native_serves(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The C kernels can write this cache and attend on it (float32 model, float32 or int8 cache)."""
+    from .cpu_kernels import kv_write, paged_decode
 
-    return supports(q, k_cache)
+    return paged_decode.supports(q, k_cache) and kv_write.supports(k, k_cache)
 
 
 def _attend_native(q, k, v, cache: LayerKVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,5 +1,5 @@
-/* Writing one step's new K (or V) into an int8 paged cache with one float32 scale per (block, KV
- * head), following the rule of sluice/engine/kernels/kv_cache.py exactly (same float32 operations
+/* Writing one step's new K (or V) into the paged cache: a plain copy into a float32 cache, or into
+ * an int8 cache with one float32 scale per (block, KV head), following the rule of sluice/engine/kernels/kv_cache.py exactly (same float32 operations
  * in the same order, rounding half to even): per block touched this step and head, with `first`
  * its smallest offset written,
  *   s = max(first > 0 ? s_old : 0, absmax(new values) / 127, SCALE_FLOOR);
@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define SCALE_FLOOR 1e-8f
 #define PARALLEL_MIN_ELEMS (1 << 16)
@@ -77,4 +78,17 @@ int sluice_write_kv_int8(const float *x, int64_t tok_stride, int64_t head_stride
     }
     free(run_start);
     return 0;
+}
+
+/* The plain copy for a float32 cache: token t's K (or V) rows go to slot slots[t] (negative:
+ * skipped), one [D] row per head. */
+void sluice_write_kv_f32(const float *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
+                         const int64_t *slots, float *cache, int bs, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)T * hkv * d >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        const int64_t blk = slots[t] / bs, off = slots[t] % bs;
+        for (int h = 0; h < hkv; h++)
+            memcpy(cache + ((blk * hkv + h) * bs + off) * d, x + t * tok_stride + h * head_stride, sizeof(float) * d);
+    }
 }

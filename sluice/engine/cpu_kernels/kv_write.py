@@ -1,6 +1,7 @@
-"""Writing a step's K and V into an int8 paged cache, in C (`kv_write.c`): the rule and signature of
-`sluice.engine.kernels.kv_cache.write_kv_torch`, as one pass instead of some twenty torch
-operations a layer."""
+"""Writing a step's K and V into the paged cache, in C (`kv_write.c`): the signature and results of
+`sluice.engine.kernels.kv_cache.write_kv_torch` for float32 K/V into a float32 cache (a copy) or an
+int8 one (its quantization rule, byte for byte), one pass instead of several torch operations
+a layer."""
 from __future__ import annotations
 
 import torch
@@ -9,28 +10,36 @@ from . import library
 
 
 def supports(k: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (k.device.type == "cpu" and k.dtype == torch.float32 and k_cache.dtype == torch.int8
+    return (k.device.type == "cpu" and k.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.int8)
             and library() is not None)
 
 
 def write_kv_native(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """k, v [T, Hkv, D] float32 (last dim contiguous) -> int8 caches [num_blocks, Hkv, bs, D] with
-    float32 scales [num_blocks, Hkv]; slot_mapping [T] (negative: skipped). The tokens one step
-    writes to a block must be consecutive in slot_mapping (the engine's layout)."""
+    """k, v [T, Hkv, D] float32 (last dim contiguous) -> caches [num_blocks, Hkv, bs, D], float32, or
+    int8 with float32 scales [num_blocks, Hkv]; slot_mapping [T] (negative: skipped). The tokens one
+    step writes to a block must be consecutive in slot_mapping (the engine's layout)."""
     lib = library()
     if lib is None:
         raise RuntimeError("native CPU kernels are unavailable")
     if not supports(k, k_cache) or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype:
-        raise ValueError("write_kv_native writes float32 K/V into int8 caches on the CPU")
+        raise ValueError("write_kv_native writes float32 K/V into float32 or int8 caches on the CPU")
+    quantized = k_cache.dtype == torch.int8
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("an int8 cache needs k_scale and v_scale; a float32 one takes none")
     T, hkv, d = k.shape
     _, _, bs, _ = k_cache.shape
     slots = slot_mapping.to(torch.int64).contiguous()
+    threads = torch.get_num_threads()
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        if x.stride(2) != 1:
-            raise ValueError("k and v need a contiguous last dim")
-        if not cache.is_contiguous() or scale is None or not scale.is_contiguous() or scale.dtype != torch.float32:
-            raise ValueError("caches must be contiguous, with contiguous float32 scales")
+        if x.stride(2) != 1 or not cache.is_contiguous():
+            raise ValueError("k and v need a contiguous last dim, the caches must be contiguous")
+        if not quantized:
+            lib.sluice_write_kv_f32(x.data_ptr(), x.stride(0), x.stride(1), T, hkv, d, slots.data_ptr(),
+                                    cache.data_ptr(), bs, threads)
+            continue
+        if not scale.is_contiguous() or scale.dtype != torch.float32:
+            raise ValueError("scales must be contiguous float32 [num_blocks, Hkv]")
         rc = lib.sluice_write_kv_int8(x.data_ptr(), x.stride(0), x.stride(1), T, hkv, d, slots.data_ptr(),
-                                      cache.data_ptr(), scale.data_ptr(), bs, torch.get_num_threads())
+                                      cache.data_ptr(), scale.data_ptr(), bs, threads)
         if rc != 0:
             raise RuntimeError(f"KV write kernel failed with code {rc}")

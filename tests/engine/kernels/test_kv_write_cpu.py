@@ -35,3 +35,17 @@ def test_block_reuse_drops_the_old_scale():
     got, _, _ = t._run("native", sc, torch.int8, steps, seed=9, check_each_step=True)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
+
+
+def test_float32_write_is_a_copy_to_the_slots():
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(9, 3 * 2 * 16 + 5, generator=g)  # k and v as strided column views
+    k = qkv[:, :32].view(9, 2, 16)
+    v = qkv[:, 32:64].view(9, 2, 16)
+    slots = torch.tensor([17, 18, -1, 3, 4, 5, -1, 40, 41])
+    k_cache, v_cache = torch.full((3, 2, 16, 16), float("nan")), torch.full((3, 2, 16, 16), float("nan"))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    t.kv.write_kv_torch(k, v, want_k, want_v, slots)
+    write_kv_native(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0))  # skipped slots left as they were
+    assert torch.equal(v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0))
