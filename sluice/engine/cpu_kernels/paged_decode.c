@@ -14,7 +14,8 @@
  * Layouts (element strides, all in elements of the data type):
  *   q    [tokens, Hq, D]: row stride q_stride, query head hq = h * G + j uses KV head h;
  *   out  [tokens, Hq, D]: row stride out_stride;
- *   k/v  [num_blocks, Hkv, block_size, D] contiguous (one block of one head is a [bs, D] matrix);
+ *   k/v  [num_blocks, Hkv, block_size, D] contiguous (one block of one head is a [bs, D] matrix),
+ *        float32, or int8 with float32 scales k_scale / v_scale [num_blocks, Hkv];
  *   block_tables [n, bt_stride] int32, seq_lens [n] int32, tokens [n] int64: decode i is the
  *   row tokens[i] of q and out, its context is seq_lens[i] tokens.
  */
@@ -96,7 +97,7 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
     }
 }
 
-/* The fast path: block_size 16 and D a multiple of 16, in 16-float vectors (simd.h). A block's 16
+/* The fast path: block_size 16, D 64 or 128, G <= 16, in 16-float vectors (simd.h). A block's 16
  * scores for one query are 16 dot products, summed across lanes together by transpose_sum16. */
 #define FAST_BLOCK 16
 #define FAST_MAX_G 16

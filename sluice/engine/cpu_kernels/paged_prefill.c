@@ -5,8 +5,9 @@
  *
  * Flash-attention style: one work item is (chunk, KV head, tile of 16 query positions); its
  * 16 x G query rows go over the context one 16-key block at a time with an online softmax (running
- * max, running sum, rescaled accumulator), so no score matrix bigger than a block is ever stored. Only the vectorized
- * form exists (block size 16, D of 64 or 128, G <= 16); the engine uses SDPA otherwise.
+ * max, running sum, rescaled accumulator), so no score matrix bigger than a block is ever stored.
+ * Only the vectorized form exists (block size 16, D of 64 or 128, G <= 16); the engine uses SDPA
+ * otherwise. The cache is float32, or int8 with per-(block, KV head) scales.
  *
  * Layouts as in paged_decode.c; chunk i has q_lens[i] new tokens from row starts[i] of q and out,
  * at positions seq_lens[i] - q_lens[i] .. seq_lens[i] - 1.
