@@ -50,6 +50,16 @@ def greedy_results(e: LLMEngine, ps):
     return e.generate(prompt_token_ids=ps, params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 
 
+def assert_same_greedy_tokens(on_kernels: LLMEngine, on_torch: LLMEngine, min_cached: int) -> None:
+    """The same greedy tokens for every prompt, then again for the last two once their shared prefix
+    is cached (its blocks read back, not recomputed: at least `min_cached` tokens each)."""
+    ps = prompts(on_torch.model_config.vocab_size)
+    assert greedy(on_kernels, ps) == greedy(on_torch, ps)
+    again_kernels, again_torch = greedy_results(on_kernels, ps[-2:]), greedy_results(on_torch, ps[-2:])
+    assert [r.token_ids for r in again_kernels] == [r.token_ids for r in again_torch]
+    assert all(r.usage.cached_tokens >= min_cached for r in again_kernels)
+
+
 # Every model plain; the quantized paths on the GQA model (the interpreter is slow).
 CASES = [(name, {}) for name in MODELS] + [("llama-gqa", {"quantization": "int8"}), ("llama-gqa", {"kv_cache_dtype": "int8"})]
 
@@ -60,12 +70,7 @@ def test_triton_kernels_give_the_torch_paths_greedy_tokens(tmp_path, name, quant
     build(kind, **overrides).save_pretrained(tmp_path)
     on_torch, on_triton = engine(tmp_path, "torch", **quant), engine(tmp_path, "triton", **quant)
     assert on_triton.kernels == "triton" and on_torch.kernels == "torch"
-    ps = prompts(on_torch.model_config.vocab_size)
-    assert greedy(on_triton, ps) == greedy(on_torch, ps)
-    # again, now that the shared prefix is in the cache: its blocks are read back, not recomputed
-    again_triton, again_torch = greedy_results(on_triton, ps[-2:]), greedy_results(on_torch, ps[-2:])
-    assert [r.token_ids for r in again_triton] == [r.token_ids for r in again_torch]
-    assert all(r.usage.cached_tokens >= 20 for r in again_triton)
+    assert_same_greedy_tokens(on_triton, on_torch, min_cached=20)
 
 
 def test_sampling_through_the_kernel_is_seeded_and_stays_in_the_kept_set(tmp_path):

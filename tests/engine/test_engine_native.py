@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from _hf_models import build
-from test_engine_kernels import MODELS, engine, greedy, greedy_results, prompts
+from test_engine_kernels import MODELS, assert_same_greedy_tokens, engine
 
 # Head size 16 (the tiny models) takes the kernels' generic paths; 64 with block size 16 the
 # vectorized decode and prefill kernels.
@@ -27,9 +27,5 @@ def test_native_gives_the_torch_paths_greedy_tokens(tmp_path, name, block_size):
     config = dict(block_size=block_size, device="cpu", kv_cache_dtype="int8" if name.endswith("int8kv") else "auto")
     on_native, on_torch = engine(tmp_path, "native", **config), engine(tmp_path, "torch", **config)
     assert on_native.kernels == "native" and on_torch.kernels == "torch"
-    ps = prompts(on_torch.model_config.vocab_size)
-    assert greedy(on_native, ps) == greedy(on_torch, ps)
-    again_native, again_torch = greedy_results(on_native, ps[-2:]), greedy_results(on_torch, ps[-2:])
-    assert [r.token_ids for r in again_native] == [r.token_ids for r in again_torch]
-    assert all(r.usage.cached_tokens >= 16 for r in again_native)
+    assert_same_greedy_tokens(on_native, on_torch, min_cached=16)
 

@@ -48,6 +48,14 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]  # type: ignore[return-value]
 
 
+def require_library() -> ctypes.CDLL:
+    """The compiled kernels, or RuntimeError naming why they are unavailable."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels are unavailable: {unavailable_reason()}")
+    return lib
+
+
 def unavailable_reason() -> str | None:
     library()
     return _state["reason"]  # type: ignore[return-value]

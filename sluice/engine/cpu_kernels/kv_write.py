@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
+from . import library, require_library
 
 
 def supports(k: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -18,9 +18,7 @@ def write_kv_native(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=
     """k, v [T, Hkv, D] float32 (last dim contiguous) -> caches [num_blocks, Hkv, bs, D], float32, or
     int8 with float32 scales [num_blocks, Hkv]; slot_mapping [T] (negative: skipped). The tokens one
     step writes to a block must be consecutive in slot_mapping (the engine's layout)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable")
+    lib = require_library()
     if not supports(k, k_cache) or v.dtype != k.dtype or v_cache.dtype != k_cache.dtype:
         raise ValueError("write_kv_native writes float32 K/V into float32 or int8 caches on the CPU")
     quantized = k_cache.dtype == torch.int8

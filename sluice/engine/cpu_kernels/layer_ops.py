@@ -6,14 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import library
-
-
-def _lib():
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable")
-    return lib
+from . import require_library
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int) -> None:
@@ -34,7 +27,7 @@ def add_rmsnorm_native(
         raise ValueError("weight must be a contiguous float32 vector")
     out = torch.empty(rows, width, dtype=torch.float32)
     res_out = x if residual is None else torch.empty(rows, width, dtype=torch.float32)
-    _lib().sluice_add_rmsnorm_f32(
+    require_library().sluice_add_rmsnorm_f32(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), res_out.data_ptr(), res_out.stride(0),
         weight.data_ptr(), eps, out.data_ptr(), out.stride(0), rows, width, torch.get_num_threads(),
@@ -49,7 +42,7 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"x must be [T, 2*I], got {tuple(x.shape)}")
     _check_rows("x", x, both)
     out = torch.empty(rows, both // 2, dtype=torch.float32)
-    _lib().sluice_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, both // 2,
+    require_library().sluice_silu_and_mul_f32(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), rows, both // 2,
                                    torch.get_num_threads())
     return out
 
@@ -69,5 +62,5 @@ def rotary_native_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     sin = sin.reshape(rows, -1).to(torch.float32).contiguous()
     if cos.shape[1] != d // 2 or sin.shape[1] != d // 2:
         raise ValueError(f"cos and sin must be [{rows}, {d // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    _lib().sluice_rotary_f32(q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), hkv, d,
+    require_library().sluice_rotary_f32(q.data_ptr(), q.stride(0), hq, k.data_ptr(), k.stride(0), hkv, d,
                              cos.data_ptr(), sin.data_ptr(), rows, torch.get_num_threads())

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from . import library
-
-INT8_BLOCK_SIZE = 16
-INT8_HEAD_SIZES = (64, 128)
-MAX_FAST_GROUP = 16
+from . import library, require_library
+from .attention_args import check_attention_args, vectorized_shape
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -18,10 +15,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return False
     if k_cache.dtype == torch.float32:
         return True
-    _, hq, d = q.shape
-    _, hkv, bs, _ = k_cache.shape
-    return (k_cache.dtype == torch.int8 and bs == INT8_BLOCK_SIZE and d in INT8_HEAD_SIZES
-            and hq // hkv <= MAX_FAST_GROUP)
+    return k_cache.dtype == torch.int8 and vectorized_shape(q, k_cache)
 
 
 def paged_decode_cpu(
@@ -35,23 +29,11 @@ def paged_decode_cpu(
     k_cache, v_cache [num_blocks, Hkv, block_size, D], float32, or int8 with k_scale, v_scale
     [num_blocks, Hkv] float32 (value = stored * scale); block_tables [n, max_blocks] int32;
     seq_lens [n] int32; tokens [n] int64; max_seq_len >= every seq_lens[i]."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable")
+    lib = require_library()
     n = tokens.shape[0]
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
-    for name, t in (("q", q), ("out", out)):
-        if t.stride(2) != 1 or t.stride(1) != d:
-            raise ValueError(f"{name}: each token's heads must be contiguous [Hq, D] rows, got strides {t.stride()}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    quantized = k_cache.dtype == torch.int8
-    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
-        raise ValueError("an int8 cache needs k_scale and v_scale; a float32 one takes none")
-    if quantized and not (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.is_contiguous()
-                          and v_scale.is_contiguous()):
-        raise ValueError("k_scale and v_scale must be contiguous float32 [num_blocks, Hkv]")
+    quantized = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tokens.dtype != torch.int64:
         raise ValueError("block_tables and seq_lens must be int32, tokens int64")
     block_tables, seq_lens, tokens = block_tables.contiguous(), seq_lens.contiguous(), tokens.contiguous()

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from . import library
-
-BLOCK_SIZE = 16
-HEAD_SIZES = (64, 128)
-MAX_GROUP = 16
+from . import library, require_library
+from .attention_args import check_attention_args, vectorized_shape
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the C kernel can serve these chunks (else use SDPA)."""
-    _, hq, d = q.shape
-    _, hkv, bs, _ = k_cache.shape
     return (
         q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.int8)
-        and bs == BLOCK_SIZE and d in HEAD_SIZES and hq // hkv <= MAX_GROUP and library() is not None
+        and vectorized_shape(q, k_cache) and library() is not None
     )
 
 
@@ -33,22 +28,10 @@ def paged_prefill_cpu(
 
     starts [n] int64, q_lens and seq_lens [n] int32, block_tables [n, max_blocks] int32; an int8
     cache comes with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("native CPU kernels are unavailable")
+    lib = require_library()
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
-    for name, t in (("q", q), ("out", out)):
-        if t.stride(2) != 1 or t.stride(1) != d:
-            raise ValueError(f"{name}: each token's heads must be contiguous [Hq, D] rows, got strides {t.stride()}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    quantized = k_cache.dtype == torch.int8
-    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
-        raise ValueError("an int8 cache needs k_scale and v_scale; a float32 one takes none")
-    if quantized and not (k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.is_contiguous()
-                          and v_scale.is_contiguous()):
-        raise ValueError("k_scale and v_scale must be contiguous float32 [num_blocks, Hkv]")
+    quantized = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
     if starts.dtype != torch.int64 or {q_lens.dtype, seq_lens.dtype, block_tables.dtype} != {torch.int32}:
         raise ValueError("starts must be int64; q_lens, seq_lens and block_tables int32")
     starts, q_lens, seq_lens, block_tables = (t.contiguous() for t in (starts, q_lens, seq_lens, block_tables))
