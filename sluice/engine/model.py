@@ -370,7 +370,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """input_ids, positions [T] -> final-norm hidden states [T, H]."""
         x = self.embed(input_ids)
-        if self.kernels == "triton" or (self.kernels == "native" and x.dtype == torch.float32):
+        if self.kernels in ("triton", "native"):
             return self._forward_fused(x, positions, meta, kv_caches)
         cos, sin = full_width(*self.rotary.cos_sin(positions, x.dtype))
         for layer, kv in zip(self.layers, kv_caches):

@@ -138,14 +138,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     signatures = {
         "sluice_paged_decode": (i32, [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32,
-                                      i32, f32, i32, i32, i32]),
+                                      i32, f32, i32, i32, i32, i32, i32]),
         "sluice_paged_prefill": (i32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i32, i32,
-                                       i32, i32, f32, i32, i32]),
-        "sluice_write_kv_int8": (i32, [ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32, i32]),
-        "sluice_write_kv_f32": (None, [ptr, i64, i64, i32, i32, i32, ptr, ptr, i32, i32]),
-        "sluice_add_rmsnorm_f32": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32]),
-        "sluice_silu_and_mul_f32": (None, [ptr, i64, ptr, i64, i32, i32, i32]),
-        "sluice_rotary_f32": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32]),
+                                       i32, i32, f32, i32, i32, i32, i32]),
+        "sluice_write_kv_int8": (i32, [ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32, i32, i32]),
+        "sluice_write_kv_copy": (None, [ptr, i64, i64, i32, i32, i32, ptr, ptr, i32, i32, i32]),
+        "sluice_add_rmsnorm": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32, i32]),
+        "sluice_silu_and_mul": (None, [ptr, i64, ptr, i64, i32, i32, i32, i32]),
+        "sluice_rotary": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -1,4 +1,4 @@
-/* Writing one step's new K (or V) into the paged cache: a plain copy into a float32 cache, or into
+/* Writing one step's new K (or V) into the paged cache: a plain copy into a cache of its own type, or into
  * an int8 cache with one float32 scale per (block, KV head), following the rule of sluice/engine/kernels/kv_cache.py exactly (same float32 operations
  * in the same order, rounding half to even): per block touched this step and head, with `first`
  * its smallest offset written,
@@ -8,13 +8,16 @@
  * The tokens a step writes to one block are consecutive in the slot mapping (the engine's layout),
  * so a block's work is one run of tokens; runs and heads are independent work items.
  *
- * x: [T, Hkv, D] floats at x + t * tok_stride + h * head_stride (+ e); slots [T] int64
- * (negative: skipped); cache [num_blocks, Hkv, bs, D] int8; scale [num_blocks, Hkv].
+ * x: [T, Hkv, D] float32 or bfloat16 (`bf16`, widened exactly to float32 first) at element
+ * t * tok_stride + h * head_stride (+ e); slots [T] int64 (negative: skipped); cache
+ * [num_blocks, Hkv, bs, D] int8; scale [num_blocks, Hkv].
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 #define SCALE_FLOOR 1e-8f
 #define PARALLEL_MIN_ELEMS (1 << 16)
@@ -26,8 +29,8 @@ static inline int8_t quant(float y) {
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-int sluice_write_kv_int8(const float *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
-                         const int64_t *slots, int8_t *cache, float *scale, int bs, int num_threads) {
+int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
+                         const int64_t *slots, int8_t *cache, float *scale, int bs, int bf16, int num_threads) {
     /* runs of consecutive tokens writing the same block: tokens run_start[r] .. run_end[r] - 1 */
     int *run_start = malloc(sizeof(int) * 2 * (size_t)(T + 1));
     if (run_start == NULL) return -1;
@@ -55,8 +58,11 @@ int sluice_write_kv_int8(const float *x, int64_t tok_stride, int64_t head_stride
         for (int t = t0; t < t1; t++) {
             const int off = (int)(slots[t] % bs);
             first = off < first ? off : first;
-            const float *xt = x + t * tok_stride + h * head_stride;
-            for (int e = 0; e < d; e++) amax = fabsf(xt[e]) > amax ? fabsf(xt[e]) : amax;
+            const int64_t xt = t * tok_stride + h * head_stride;
+            for (int e = 0; e < d; e++) {
+                const float a = fabsf(load_act(x, xt + e, bf16));
+                amax = a > amax ? a : amax;
+            }
         }
         float *sp = scale + blk * hkv + h;
         const float s_old = *sp;
@@ -70,9 +76,9 @@ int sluice_write_kv_int8(const float *x, int64_t tok_stride, int64_t head_stride
             for (int64_t e = 0; e < (int64_t)first * d; e++) base[e] = quant((float)base[e] * ratio);
         }
         for (int t = t0; t < t1; t++) {
-            const float *xt = x + t * tok_stride + h * head_stride;
+            const int64_t xt = t * tok_stride + h * head_stride;
             int8_t *row = base + (slots[t] % bs) * d;
-            for (int e = 0; e < d; e++) row[e] = quant(xt[e] / s);
+            for (int e = 0; e < d; e++) row[e] = quant(load_act(x, xt + e, bf16) / s);
         }
         *sp = s;
     }
@@ -80,15 +86,16 @@ int sluice_write_kv_int8(const float *x, int64_t tok_stride, int64_t head_stride
     return 0;
 }
 
-/* The plain copy for a float32 cache: token t's K (or V) rows go to slot slots[t] (negative:
- * skipped), one [D] row per head. */
-void sluice_write_kv_f32(const float *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
-                         const int64_t *slots, float *cache, int bs, int num_threads) {
+/* The plain copy into a cache of x's own type (float32 or bfloat16: elem_bytes 4 or 2): token t's
+ * K (or V) rows go to slot slots[t] (negative: skipped), one [D] row per head. */
+void sluice_write_kv_copy(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
+                          const int64_t *slots, void *cache, int bs, int elem_bytes, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)T * hkv * d >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         const int64_t blk = slots[t] / bs, off = slots[t] % bs;
         for (int h = 0; h < hkv; h++)
-            memcpy(cache + ((blk * hkv + h) * bs + off) * d, x + t * tok_stride + h * head_stride, sizeof(float) * d);
+            memcpy((char *)cache + ((blk * hkv + h) * bs + off) * d * elem_bytes,
+                   (const char *)x + (t * tok_stride + h * head_stride) * elem_bytes, (size_t)elem_bytes * d);
     }
 }

@@ -11,11 +11,11 @@
  * Threads come from OpenMP. Loaded into a process that already holds torch's libgomp (same
  * soname), the kernel runs on torch's own thread team instead of starting a second one.
  *
- * Layouts (element strides, all in elements of the data type):
+ * Layouts (strides in elements of the data type; q and out float32 or bfloat16):
  *   q    [tokens, Hq, D]: row stride q_stride, query head hq = h * G + j uses KV head h;
  *   out  [tokens, Hq, D]: row stride out_stride;
  *   k/v  [num_blocks, Hkv, block_size, D] contiguous (one block of one head is a [bs, D] matrix),
- *        float32, or int8 with float32 scales k_scale / v_scale [num_blocks, Hkv];
+ *        float32, bfloat16, or int8 with float32 scales k_scale / v_scale [num_blocks, Hkv];
  *   block_tables [n, bt_stride] int32, seq_lens [n] int32, tokens [n] int64: decode i is the
  *   row tokens[i] of q and out, its context is seq_lens[i] tokens.
  */
@@ -104,24 +104,26 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each
- * head. quantized: the cache holds int8 with one float32 scale per (block, KV head) in k_scale /
- * v_scale ([num_blocks, Hkv]); the K scale multiplies a block's scores, the V scale its weights.
- * qs: scratch of Hq * D floats (the queries, scaled); scores: scratch of Hq rows of `stride`
- * floats, kept per whole block from base = first rounded down to the block. */
+ * head. kind: what the cache holds (simd.h); an int8 one has one float32 scale per (block, KV head)
+ * in k_scale / v_scale ([num_blocks, Hkv]): the K scale multiplies a block's scores, the V scale
+ * its weights. bf16: q and out are bfloat16 (else float32). Scratch: qs, Hq * D floats (the
+ * queries, scaled); acc, Hq * D floats (the outputs before the division); scores, Hq rows of
+ * `stride` floats, kept per whole block from base = first rounded down to the block. */
 static inline __attribute__((always_inline)) void decode_seq_fast(
-    const float *q, float *out, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
-    const int32_t *table, int first, int len, int hkv, int g, const int nv, const int quantized, float scale, float *qs,
-    float *scores) {
+    const void *q, void *out, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
+    const int32_t *table, int first, int len, int hkv, int g, const int nv, const int kind, const int bf16, float scale,
+    float *qs, float *acc_all, float *scores) {
     const int d = 16 * nv, hq = hkv * g;
     const int64_t block_elems = (int64_t)FAST_BLOCK * d;
-    const int64_t elem_bytes = quantized ? 1 : sizeof(float);
+    const int64_t elem_bytes = cache_elem_bytes(kind);
+    const int quantized = kind == CACHE_I8;
     const int b0 = first / FAST_BLOCK, b1 = (len + FAST_BLOCK - 1) / FAST_BLOCK;
     const int64_t stride = (int64_t)(b1 - b0) * FAST_BLOCK;
     const int lo = first - b0 * FAST_BLOCK, hi = len - b0 * FAST_BLOCK;
-    float widened[FAST_BLOCK * 128]; /* an int8 block of one head as floats, read by all its queries */
+    float widened[FAST_BLOCK * 128]; /* a bfloat16 or int8 block of one head as floats, read by all its queries */
 
     for (int r = 0; r < hq; r++)
-        for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16(q + r * d + 16 * c) * scale);
+        for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
 
     for (int b = b0; b < b1; b++) {
         const int64_t kb = (int64_t)table[b] * hkv * block_elems;
@@ -129,7 +131,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
             prefetch_bytes((const char *)k_cache + (int64_t)table[b + 1] * hkv * block_elems * elem_bytes,
                            hkv * block_elems * elem_bytes);
         for (int h = 0; h < hkv; h++) {
-            const float *k = block_as_float(k_cache, kb + h * block_elems, block_elems, quantized, widened);
+            const float *k = block_as_float(k_cache, kb + h * block_elems, block_elems, kind, widened);
             const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             for (int j = 0; j < g; j++) {
                 const float *qr = qs + (h * g + j) * d;
@@ -161,7 +163,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
             sum += e;
         }
         qs[r] = 1.0f / sum; /* the queries are no longer needed: qs keeps the Hq inverse sums */
-        for (int c = 0; c < nv; c++) store16(out + r * d + 16 * c, (v16f){0});
+        for (int c = 0; c < nv; c++) store16(acc_all + r * d + 16 * c, (v16f){0});
     }
 
     for (int b = b0; b < b1; b++) {
@@ -172,11 +174,11 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
         const int t0 = b == b0 ? lo : 0;
         const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
         for (int h = 0; h < hkv; h++) {
-            const float *v = block_as_float(v_cache, vb + h * block_elems, block_elems, quantized, widened);
+            const float *v = block_as_float(v_cache, vb + h * block_elems, block_elems, kind, widened);
             const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             v16f acc[FAST_MAX_G][8];
             for (int j = 0; j < g; j++)
-                for (int c = 0; c < nv; c++) acc[j][c] = load16(out + (h * g + j) * d + 16 * c);
+                for (int c = 0; c < nv; c++) acc[j][c] = load16(acc_all + (h * g + j) * d + 16 * c);
             for (int t = t0; t < t1; t++) {
                 v16f vt[8];
                 for (int c = 0; c < nv; c++) vt[c] = load16(v + t * d + 16 * c);
@@ -187,60 +189,68 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
                 }
             }
             for (int j = 0; j < g; j++)
-                for (int c = 0; c < nv; c++) store16(out + (h * g + j) * d + 16 * c, acc[j][c]);
+                for (int c = 0; c < nv; c++) store16(acc_all + (h * g + j) * d + 16 * c, acc[j][c]);
         }
     }
     for (int r = 0; r < hq; r++) {
         const float c_r = qs[r];
-        for (int c = 0; c < nv; c++) store16(out + r * d + 16 * c, load16(out + r * d + 16 * c) * c_r);
+        for (int c = 0; c < nv; c++) store16_act(out, r * d + 16 * c, load16(acc_all + r * d + 16 * c) * c_r, bf16);
     }
 }
 
-/* Decode attention for float32 caches (k_scale NULL) or int8 ones with per-(block, KV head)
- * scales (vectorized shapes only: block 16, D 64 or 128, G <= 16). Returns 0, or -1 when scratch
- * memory could not be allocated, -2 for a shape the cache type has no path for. */
-int sluice_paged_decode(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *tokens, int n,
+/* Decode attention. kind (simd.h): a float32 cache, a bfloat16 one, or int8 with per-(block, KV
+ * head) scales k_scale / v_scale (else NULL); bf16: q and out are bfloat16, else float32. Float32
+ * queries read float32 or int8 caches, bfloat16 ones bfloat16 or int8 caches. The generic path
+ * serves only float32 queries on a float32 cache; every other case needs the vectorized shapes
+ * (block 16, D 64 or 128, G <= 16). Returns 0, or -1 when scratch memory could not be allocated,
+ * -2 for a case without a path. */
+int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const int64_t *tokens, int n,
                         const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d,
-                        int bs, float scale, int window, int max_len, int num_threads) {
+                        int bs, float scale, int window, int max_len, int kind, int bf16, int num_threads) {
     if (g > 64) return -2;
     if (num_threads < 1) num_threads = 1;
     const int hq = hkv * g;
-    const int quantized = k_scale != NULL;
     const int fast = bs == FAST_BLOCK && g <= FAST_MAX_G && (d == 64 || d == 128);
-    if (quantized && !fast) return -2;
+    if (kind == CACHE_BF16 ? !bf16 : (kind == CACHE_F32 ? bf16 : kind != CACHE_I8)) return -2;
+    if (!fast && (kind != CACHE_F32 || bf16)) return -2;
+    if ((kind == CACHE_I8) != (k_scale != NULL)) return -2;
+    const int64_t act_bytes = bf16 ? 2 : 4;
     /* per thread: scores of every head (with room for whole first and last blocks), then the
-     * scaled queries (fast path) or one head's accumulator (generic path) */
+     * scaled queries and the outputs (fast path) or one head's accumulator (generic path) */
     const size_t scores_len = (size_t)hq * (max_len + 2 * (size_t)bs);
-    const size_t per_thread = scores_len + (size_t)hq * d;
+    const size_t per_thread = scores_len + 2 * (size_t)hq * d;
     float *scratch = malloc(sizeof(float) * per_thread * num_threads);
     if (scratch == NULL) return -1;
     /* one sequence per work item, all its heads: its blocks are then read front to back */
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int i = 0; i < n; i++) {
         float *scores = scratch + per_thread * omp_get_thread_num();
-        float *extra = scores + scores_len;
+        float *qs = scores + scores_len, *acc = qs + (size_t)hq * d;
         const int len = seq_lens[i];
         const int first = (window > 0 && len > window) ? len - window : 0;
-        const float *qi = q + tokens[i] * q_stride;
-        float *oi = out + tokens[i] * out_stride;
+        const void *qi = (const char *)q + tokens[i] * q_stride * act_bytes;
+        void *oi = (char *)out + tokens[i] * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-        /* constant arguments: the compiler makes one specialized copy per call */
-        if (fast && d == 64 && !quantized)
-            decode_seq_fast(qi, oi, k_cache, v_cache, NULL, NULL, table, first, len, hkv, g, 4, 0, scale, extra, scores);
-        else if (fast && !quantized)
-            decode_seq_fast(qi, oi, k_cache, v_cache, NULL, NULL, table, first, len, hkv, g, 8, 0, scale, extra, scores);
-        else if (d == 64 && quantized)
-            decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, 4, 1, scale, extra,
-                            scores);
-        else if (quantized)
-            decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, 8, 1, scale, extra,
-                            scores);
-        else
+        /* constant arguments: the compiler makes one specialized copy per case */
+#define FAST(NV, KIND, BF16)                                                                                       \
+    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, NV, KIND, BF16, scale, qs, \
+                    acc, scores)
+        if (!fast)
             /* query heads h*G .. h*G+G-1 are consecutive [D] rows of the token's q (and out) */
             for (int h = 0; h < hkv; h++)
-                decode_item(qi + (int64_t)h * g * d, oi + (int64_t)h * g * d, k_cache, v_cache, table, first, len,
-                            hkv, h, g, d, bs, scale, scores, extra);
+                decode_item((const float *)qi + (int64_t)h * g * d, (float *)oi + (int64_t)h * g * d,
+                            (const float *)k_cache, (const float *)v_cache, table, first, len, hkv, h, g, d, bs,
+                            scale, scores, qs);
+        else if (kind == CACHE_F32)
+            d == 64 ? FAST(4, CACHE_F32, 0) : FAST(8, CACHE_F32, 0);
+        else if (kind == CACHE_BF16)
+            d == 64 ? FAST(4, CACHE_BF16, 1) : FAST(8, CACHE_BF16, 1);
+        else if (bf16)
+            d == 64 ? FAST(4, CACHE_I8, 1) : FAST(8, CACHE_I8, 1);
+        else
+            d == 64 ? FAST(4, CACHE_I8, 0) : FAST(8, CACHE_I8, 0);
+#undef FAST
     }
     free(scratch);
     return 0;

@@ -1,21 +1,20 @@
-"""Decode attention through the paged cache, in C (`paged_decode.c`), on the CPU: float32 caches of
-any shape, and int8 caches with per-(block, KV head) scales read directly (no dequantized copy)
-for block size 16 and head size 64 or 128."""
+"""Decode attention through the paged cache, in C (`paged_decode.c`), on the CPU: float32 queries on
+float32 caches of any shape; for block size 16 and head size 64 or 128 also bfloat16 queries on
+bfloat16 caches, and either on int8 caches with per-(block, KV head) scales, read directly (no
+dequantized copy)."""
 from __future__ import annotations
 
 import torch
 
 from . import library, require_library
-from .attention_args import check_attention_args, vectorized_shape
+from .attention_args import CACHE_KINDS, check_attention_args, types_served, vectorized_shape
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the C kernel can serve this query and cache (else use the torch path)."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or library() is None:
+    if q.device.type != "cpu" or not types_served(q, k_cache) or library() is None:
         return False
-    if k_cache.dtype == torch.float32:
-        return True
-    return k_cache.dtype == torch.int8 and vectorized_shape(q, k_cache)
+    return (q.dtype == k_cache.dtype == torch.float32) or vectorized_shape(q, k_cache)
 
 
 def paged_decode_cpu(
@@ -26,14 +25,15 @@ def paged_decode_cpu(
     """For each decode i, row tokens[i] of out [T, Hq, D] = attention of q's row tokens[i] [T, Hq, D]
     over the seq_lens[i] cached positions of its block table (the last sliding_window of them, if set).
 
-    k_cache, v_cache [num_blocks, Hkv, block_size, D], float32, or int8 with k_scale, v_scale
-    [num_blocks, Hkv] float32 (value = stored * scale); block_tables [n, max_blocks] int32;
+    q and out float32 or bfloat16; k_cache, v_cache [num_blocks, Hkv, block_size, D] of q's type, or
+    int8 with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale); block_tables [n, max_blocks] int32;
     seq_lens [n] int32; tokens [n] int64; max_seq_len >= every seq_lens[i]."""
     lib = require_library()
     n = tokens.shape[0]
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
-    quantized = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
+    kind = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
+    quantized = k_cache.dtype == torch.int8
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tokens.dtype != torch.int64:
         raise ValueError("block_tables and seq_lens must be int32, tokens int64")
     block_tables, seq_lens, tokens = block_tables.contiguous(), seq_lens.contiguous(), tokens.contiguous()
@@ -41,7 +41,8 @@ def paged_decode_cpu(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), tokens.data_ptr(), n,
         k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr() if quantized else None,
         v_scale.data_ptr() if quantized else None, block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), hkv, hq // hkv, d, bs, scale, sliding_window or 0, max_seq_len, torch.get_num_threads(),
+        seq_lens.data_ptr(), hkv, hq // hkv, d, bs, scale, sliding_window or 0, max_seq_len, kind,
+        int(q.dtype == torch.bfloat16), torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"paged decode kernel failed with code {rc}")

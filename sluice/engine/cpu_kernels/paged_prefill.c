@@ -7,7 +7,8 @@
  * 16 x G query rows go over the context one 16-key block at a time with an online softmax (running
  * max, running sum, rescaled accumulator), so no score matrix bigger than a block is ever stored.
  * Only the vectorized form exists (block size 16, D of 64 or 128, G <= 16); the engine uses SDPA
- * otherwise. The cache is float32, or int8 with per-(block, KV head) scales.
+ * otherwise. Queries and outputs are float32 or bfloat16; the cache float32, bfloat16, or int8 with
+ * per-(block, KV head) scales; all arithmetic is in float32.
  *
  * Layouts as in paged_decode.c; chunk i has q_lens[i] new tokens from row starts[i] of q and out,
  * at positions seq_lens[i] - q_lens[i] .. seq_lens[i] - 1.
@@ -31,21 +32,23 @@
  * transposed once per tile (qt[d][r]) and each key element is broadcast against 16 rows.
  * Scratch `w`: qt [D][R], st [16][R], acc [R][D], m, l, corr [R] each. */
 static inline __attribute__((always_inline)) void prefill_tile(
-    const float *q, int64_t q_stride, float *out, int64_t out_stride, const void *k_cache, const void *v_cache,
+    const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache, const void *v_cache,
     const float *k_scale, const float *v_scale, const int32_t *table, int p0, int rows, int window, int hkv, int h,
-    int g, const int nv, const int quantized, float scale, float *w) {
+    int g, const int nv, const int kind, const int bf16, float scale, float *w) {
+    const int quantized = kind == CACHE_I8;
     const int d = 16 * nv;
     const int64_t block_elems = (int64_t)BLOCK * d;
     const int R = TILE * g, nrv = g; /* rows, and rows in 16-wide vectors */
     float *qt = w, *st = qt + (size_t)d * R, *acc = st + (size_t)BLOCK * R;
     float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;
     int qpos[TILE * MAX_G];
-    float kw[BLOCK * 128], vw[BLOCK * 128]; /* an int8 block of the head widened to floats */
+    float kw[BLOCK * 128], vw[BLOCK * 128]; /* a bfloat16 or int8 block of the head widened to floats */
     for (int r = 0; r < R; r++) {
         const int i = r / g, j = r % g;
         qpos[r] = p0 + i;
         for (int e = 0; e < d; e++)
-            qt[(size_t)e * R + r] = i < rows ? q[(int64_t)i * q_stride + (int64_t)(h * g + j) * d + e] * scale : 0.0f;
+            qt[(size_t)e * R + r] =
+                i < rows ? load_act(q, (int64_t)i * q_stride + (int64_t)(h * g + j) * d + e, bf16) * scale : 0.0f;
         m[r] = -1e30f; /* finite: a row with no visible key yet never computes inf - inf */
         l[r] = 0.0f;
     }
@@ -54,8 +57,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int first_any = window > 0 ? (p0 - window + 1 > 0 ? p0 - window + 1 : 0) : 0;
     for (int b = first_any / BLOCK; b <= last / BLOCK; b++) {
         const int64_t at = ((int64_t)table[b] * hkv + h) * block_elems;
-        const float *k = block_as_float(k_cache, at, block_elems, quantized, kw);
-        const float *v = block_as_float(v_cache, at, block_elems, quantized, vw);
+        const float *k = block_as_float(k_cache, at, block_elems, kind, kw);
+        const float *v = block_as_float(v_cache, at, block_elems, kind, vw);
         const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const int kp0 = b * BLOCK;
@@ -113,21 +116,26 @@ static inline __attribute__((always_inline)) void prefill_tile(
     for (int r = 0; r < rows * g; r++) {
         const int i = r / g, j = r % g;
         const float inv = 1.0f / l[r];
-        float *dst = out + (int64_t)i * out_stride + (int64_t)(h * g + j) * d;
-        for (int c = 0; c < nv; c++) store16(dst + 16 * c, load16(acc + (size_t)r * d + 16 * c) * inv);
+        const int64_t dst = (int64_t)i * out_stride + (int64_t)(h * g + j) * d;
+        for (int c = 0; c < nv; c++) store16_act(out, dst + 16 * c, load16(acc + (size_t)r * d + 16 * c) * inv, bf16);
     }
 }
 
-/* Prefill attention for float32 caches (k_scale NULL) or int8 ones with per-(block, KV head)
- * scales. Returns 0; -1 when scratch memory could not be allocated; -2 for a shape without the
- * vectorized form (block size not 16, D not 64 or 128, G over 16). */
-int sluice_paged_prefill(const float *q, int64_t q_stride, float *out, int64_t out_stride, const int64_t *starts,
+/* Prefill attention. kind (simd.h): a float32 cache, a bfloat16 one, or int8 with per-(block, KV
+ * head) scales k_scale / v_scale (else NULL); bf16: q and out are bfloat16, else float32 (float32
+ * queries read float32 or int8 caches, bfloat16 ones bfloat16 or int8 caches). Returns 0; -1 when
+ * scratch memory could not be allocated; -2 for a case without a path (block size not 16, D not
+ * 64 or 128, G over 16, another pairing of types). */
+int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out_stride, const int64_t *starts,
                          const int32_t *q_lens, const int32_t *seq_lens, int n, const void *k_cache,
                          const void *v_cache, const float *k_scale, const float *v_scale, const int32_t *block_tables,
-                         int64_t bt_stride, int hkv, int g, int d, int bs, float scale, int window, int num_threads) {
+                         int64_t bt_stride, int hkv, int g, int d, int bs, float scale, int window, int kind, int bf16,
+                         int num_threads) {
     if (bs != BLOCK || g > MAX_G || (d != 64 && d != 128)) return -2;
+    if (kind == CACHE_BF16 ? !bf16 : (kind == CACHE_F32 ? bf16 : kind != CACHE_I8)) return -2;
+    if ((kind == CACHE_I8) != (k_scale != NULL)) return -2;
     if (num_threads < 1) num_threads = 1;
-    const int quantized = k_scale != NULL;
+    const int64_t act_bytes = bf16 ? 2 : 4;
     /* work items (chunk, tile, head), tiles of all chunks numbered in order */
     int64_t *tile_start = malloc(sizeof(int64_t) * (n + 1));
     if (tile_start == NULL) return -1;
@@ -152,22 +160,22 @@ int sluice_paged_prefill(const float *q, int64_t q_stride, float *out, int64_t o
         const int ti = (int)(tile - tile_start[i]);
         const int rows = q_lens[i] - ti * TILE < TILE ? q_lens[i] - ti * TILE : TILE;
         const int p0 = seq_lens[i] - q_lens[i] + ti * TILE;
-        const float *qi = q + (starts[i] + (int64_t)ti * TILE) * q_stride;
-        float *oi = out + (starts[i] + (int64_t)ti * TILE) * out_stride;
+        const void *qi = (const char *)q + (starts[i] + (int64_t)ti * TILE) * q_stride * act_bytes;
+        void *oi = (char *)out + (starts[i] + (int64_t)ti * TILE) * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-        /* constant arguments: the compiler makes one specialized copy per call */
-        if (d == 64 && !quantized)
-            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, NULL, NULL, table, p0, rows, window, hkv, h,
-                         g, 4, 0, scale, w);
-        else if (!quantized)
-            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, NULL, NULL, table, p0, rows, window, hkv, h,
-                         g, 8, 0, scale, w);
-        else if (d == 64)
-            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window,
-                         hkv, h, g, 4, 1, scale, w);
+        /* constant arguments: the compiler makes one specialized copy per case */
+#define TILE_OF(NV, KIND, BF16)                                                                                   \
+    prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window, hkv, h, \
+                 g, NV, KIND, BF16, scale, w)
+        if (kind == CACHE_F32)
+            d == 64 ? TILE_OF(4, CACHE_F32, 0) : TILE_OF(8, CACHE_F32, 0);
+        else if (kind == CACHE_BF16)
+            d == 64 ? TILE_OF(4, CACHE_BF16, 1) : TILE_OF(8, CACHE_BF16, 1);
+        else if (bf16)
+            d == 64 ? TILE_OF(4, CACHE_I8, 1) : TILE_OF(8, CACHE_I8, 1);
         else
-            prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window,
-                         hkv, h, g, 8, 1, scale, w);
+            d == 64 ? TILE_OF(4, CACHE_I8, 0) : TILE_OF(8, CACHE_I8, 0);
+#undef TILE_OF
     }
     free(scratch);
     free(tile_start);

@@ -1,19 +1,19 @@
-"""Causal attention of prefill chunks through the paged cache, in C (`paged_prefill.c`), for
-float32 queries on the CPU over a float32 cache or an int8 one with per-(block, KV head) scales,
-block size 16 and head size 64 or 128 (`supports`)."""
+"""Causal attention of prefill chunks through the paged cache, in C (`paged_prefill.c`), on the CPU:
+float32 queries over a float32 cache, bfloat16 ones over a bfloat16 cache, either over an int8
+cache with per-(block, KV head) scales; block size 16 and head size 64 or 128 (`supports`)."""
 from __future__ import annotations
 
 import torch
 
 from . import library, require_library
-from .attention_args import check_attention_args, vectorized_shape
+from .attention_args import check_attention_args, types_served, vectorized_shape
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the C kernel can serve these chunks (else use SDPA)."""
     return (
-        q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.int8)
-        and vectorized_shape(q, k_cache) and library() is not None
+        q.device.type == "cpu" and types_served(q, k_cache) and vectorized_shape(q, k_cache)
+        and library() is not None
     )
 
 
@@ -26,12 +26,13 @@ def paged_prefill_cpu(
     attention of those rows of q over positions 0 .. seq_lens[i] - 1 of its block table (only the
     last sliding_window of them for each query, if set); the chunk's K/V are already in the cache.
 
-    starts [n] int64, q_lens and seq_lens [n] int32, block_tables [n, max_blocks] int32; an int8
-    cache comes with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale)."""
+    q and out float32 or bfloat16, the cache of q's type or int8; starts [n] int64, q_lens and
+    seq_lens [n] int32, block_tables [n, max_blocks] int32; an int8 cache comes with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale)."""
     lib = require_library()
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
-    quantized = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
+    kind = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
+    quantized = k_cache.dtype == torch.int8
     if starts.dtype != torch.int64 or {q_lens.dtype, seq_lens.dtype, block_tables.dtype} != {torch.int32}:
         raise ValueError("starts must be int64; q_lens, seq_lens and block_tables int32")
     starts, q_lens, seq_lens, block_tables = (t.contiguous() for t in (starts, q_lens, seq_lens, block_tables))
@@ -39,7 +40,8 @@ def paged_prefill_cpu(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), starts.data_ptr(), q_lens.data_ptr(),
         seq_lens.data_ptr(), starts.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
         k_scale.data_ptr() if quantized else None, v_scale.data_ptr() if quantized else None, block_tables.data_ptr(),
-        block_tables.stride(0), hkv, hq // hkv, d, bs, scale, sliding_window or 0, torch.get_num_threads(),
+        block_tables.stride(0), hkv, hq // hkv, d, bs, scale, sliding_window or 0, kind, int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"paged prefill kernel failed with code {rc}")

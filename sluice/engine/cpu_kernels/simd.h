@@ -1,6 +1,6 @@
-/* Shared by the CPU kernels: a vectorizable exp for non-positive arguments, and 16-float vectors
+/* Shared by the CPU kernels: a vectorizable exp for non-positive arguments, 16-float vectors
  * (GCC/Clang vector types: one AVX-512 register, two AVX2 ones) with the helpers both attention
- * kernels use. */
+ * kernels use, and bfloat16 conversions. */
 #ifndef SLUICE_SIMD_H
 #define SLUICE_SIMD_H
 
@@ -67,11 +67,80 @@ static inline v16f transpose_sum16(const v16f a[16]) {
     return pair_sum(e[0], e[1], l4, h4);
 }
 
-/* One block of one head as floats: the cache itself when float32; an int8 block widened into
- * `buf` (once, then read by every query of the head; the scale is applied by the caller). */
-static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems, const int quantized,
+/* bfloat16: the upper half of a float32. Widening is exact; narrowing rounds to nearest, ties to
+ * even, as torch does (a NaN stays a quiet NaN). */
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline uint16_t float_to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline v16f widen16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+
+static inline void narrow16(uint16_t *p, v16f x) {
+    const v16u bits = (v16u)x;
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const v16u nan = (bits >> 16) | 0x40u;
+    const v16u is_nan = (v16u)((bits & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    const v16h h = __builtin_convertvector((nan & is_nan) | (rounded & ~is_nan), v16h);
+    memcpy(p, &h, sizeof h);
+}
+
+/* Activations (queries, outputs, hidden states) are float32 or bfloat16 (`bf16` a constant flag):
+ * element i of a buffer as a float, and 16 of them as a vector, whichever the type. */
+static inline float load_act(const void *p, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_act(void *p, int64_t i, float x, const int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = float_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+static inline v16f load16_act(const void *p, int64_t i, const int bf16) {
+    return bf16 ? widen16((const uint16_t *)p + i) : load16((const float *)p + i);
+}
+
+static inline void store16_act(void *p, int64_t i, v16f x, const int bf16) {
+    if (bf16)
+        narrow16((uint16_t *)p + i, x);
+    else
+        store16((float *)p + i, x);
+}
+
+/* What a K/V cache holds. */
+enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
+
+static inline int64_t cache_elem_bytes(const int kind) { return kind == CACHE_F32 ? 4 : kind == CACHE_BF16 ? 2 : 1; }
+
+/* One block of one head as floats: the cache itself when float32; a bfloat16 or int8 block
+ * widened into `buf` (once, then read by every query of the head; an int8 block's scale is applied
+ * by the caller). */
+static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems, const int kind,
                                           float *restrict buf) {
-    if (!quantized) return (const float *)cache + idx;
+    if (kind == CACHE_F32) return (const float *)cache + idx;
+    if (kind == CACHE_BF16) {
+        const uint16_t *src = (const uint16_t *)cache + idx;
+        for (int64_t i = 0; i < elems; i += 16) store16(buf + i, widen16(src + i));
+        return buf;
+    }
     const int8_t *restrict src = (const int8_t *)cache + idx;
 #pragma omp simd
     for (int64_t i = 0; i < elems; i++) buf[i] = (float)src[i];

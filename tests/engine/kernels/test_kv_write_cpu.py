@@ -1,6 +1,7 @@
-"""The int8 KV write in C (`cpu_kernels.kv_write`) against the torch reference and the independent
-model of the rule in test_kv_cache: every scenario there (blocks filled over several steps with
-growing scales, holes, padding tokens, two sequences, block reuse), byte for byte."""
+"""The KV write in C (`cpu_kernels.kv_write`) against the torch reference and the independent model
+of the int8 rule in test_kv_cache, from float32 and bfloat16 K/V: every scenario there (blocks
+filled over several steps with growing scales, holes, padding tokens, two sequences, block
+reuse), byte for byte; and the plain copy into a cache of the K/V's own type."""
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,10 @@ def native_impl(monkeypatch):
     monkeypatch.setitem(t.IMPLS, "native", write_kv_native)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sc", t.SCENARIOS, ids=[s.name for s in t.SCENARIOS])
-def test_int8_write_follows_the_rule_and_equals_torch(sc):
-    steps = t._build_steps(sc, torch.float32, seed=len(sc.name))
+def test_int8_write_follows_the_rule_and_equals_torch(sc, dtype):
+    steps = t._build_steps(sc, dtype, seed=len(sc.name))
     ref, init, (exp_k, _) = t._run("torch", sc, torch.int8, steps, seed=7, check_each_step=False)
     got, _, _ = t._run("native", sc, torch.int8, steps, seed=7, check_each_step=True)
     t._assert_paths_agree(ref, got, init, exp_k, torch.int8, sc.num_blocks)
@@ -37,15 +39,22 @@ def test_block_reuse_drops_the_old_scale():
         assert torch.equal(a, b)
 
 
-def test_float32_write_is_a_copy_to_the_slots():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unquantized_write_is_a_copy_to_the_slots(dtype):
     g = torch.Generator().manual_seed(5)
-    qkv = torch.randn(9, 3 * 2 * 16 + 5, generator=g)  # k and v as strided column views
+    qkv = torch.randn(9, 3 * 2 * 16 + 5, generator=g).to(dtype)  # k and v as strided column views
     k = qkv[:, :32].view(9, 2, 16)
     v = qkv[:, 32:64].view(9, 2, 16)
     slots = torch.tensor([17, 18, -1, 3, 4, 5, -1, 40, 41])
-    k_cache, v_cache = torch.full((3, 2, 16, 16), float("nan")), torch.full((3, 2, 16, 16), float("nan"))
+    k_cache, v_cache = (torch.full((3, 2, 16, 16), float("nan"), dtype=dtype) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
     t.kv.write_kv_torch(k, v, want_k, want_v, slots)
     write_kv_native(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0))  # skipped slots left as they were
     assert torch.equal(v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0))
+
+
+def test_a_cache_of_another_type_is_refused():
+    k = torch.randn(2, 2, 16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        write_kv_native(k, k, *(torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16) for _ in range(2)), torch.arange(2))

@@ -31,10 +31,10 @@ def run_native(args, *, stride_pad: int = 0, extra_rows: int = 0):
     n, hq, d = q.shape
     rows = n * (extra_rows + 1)
     tokens = torch.arange(n, dtype=torch.int64) * (extra_rows + 1) + extra_rows
-    wide = torch.full((rows, hq * d + stride_pad), float("nan"))
+    wide = torch.full((rows, hq * d + stride_pad), float("nan"), dtype=q.dtype)
     q_rows = wide[:, : hq * d].view(rows, hq, d)
     q_rows[tokens] = q
-    out = torch.full((rows, hq, d), float("nan"))
+    out = torch.full((rows, hq, d), float("nan"), dtype=q.dtype)
     paged_decode_cpu(q_rows, out, tokens, k_cache, v_cache, table, lens, scale, window, int(lens.max()), k_scale, v_scale)
     others = torch.ones(rows, dtype=torch.bool)
     others[tokens] = False
@@ -97,10 +97,33 @@ def test_one_long_context():
     check(args, seen)
 
 
-def test_supports_only_float32_queries_on_the_cpu():
+@pytest.mark.parametrize("hkv,group,d,quant,window", [(3, 3, 64, None, None), (2, 8, 128, None, 37),
+                                                      (3, 3, 64, torch.int8, None), (1, 1, 128, torch.int8, 21)])
+def test_bfloat16_queries(hkv, group, d, quant, window):
+    """bfloat16 queries and outputs on a bfloat16 (or int8) cache: float32 arithmetic inside, one
+    rounding at the end, so every output is within half a bfloat16 step of float64 on the same
+    inputs."""
+    args, seen, _ = build_case(LENS + [33], hkv, group, d, 16, torch.bfloat16, quant=quant, window=window, share=1,
+                               seed=21 + d)
+    q, k_cache, _, table, lens, scale, _, _, window = args
+    assert k_cache.dtype == (quant or torch.bfloat16)
+    f64 = attention_f64(q, *seen, table, lens, scale, window)
+    for kw in ({}, {"stride_pad": 2 * hkv * d, "extra_rows": 2}):
+        got = run_native(args, **kw)
+        assert got.dtype == torch.bfloat16
+        err = (got.double() - f64).abs()
+        assert (err <= f64.abs() * 2.0 ** -8 + 1e-5).all(), err.max()
+
+
+def test_which_query_and_cache_types_it_serves():
     k = torch.zeros(4, 2, 16, 64)
-    assert supports(torch.zeros(3, 6, 64), k)
-    assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k.bfloat16())
+    q32, q16 = torch.zeros(3, 6, 64), torch.zeros(3, 6, 64, dtype=torch.bfloat16)
+    assert supports(q32, k) and supports(q16, k.bfloat16()) and supports(q16, k.to(torch.int8))
+    assert not supports(q16, k) and not supports(q32, k.bfloat16()) and not supports(q32.half(), k.half())
+    assert not supports(q16, torch.zeros(4, 2, 8, 64, dtype=torch.bfloat16))  # bfloat16: vectorized shapes only
+    args, _, _ = build_case([5, 40], 2, 3, 64, 16, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="bfloat16"):  # outputs of another type than the queries
+        paged_decode_cpu(args[0], torch.empty(2, 6, 64), torch.arange(2), *args[1:5], args[5], None, 40)
 
 
 def test_without_the_kernels_auto_falls_back_and_native_names_the_reason(monkeypatch):

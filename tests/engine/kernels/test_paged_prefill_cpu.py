@@ -12,7 +12,7 @@ from sluice.engine.cpu_kernels.paged_prefill import paged_prefill_cpu, supports
 BS = 16
 
 
-def build(q_lens, seq_lens, hkv, group, d, seed, share=False):
+def build(q_lens, seq_lens, hkv, group, d, seed, share=False, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     nblk = [-(-s // BS) for s in seq_lens]
     num_blocks = 2 * sum(nblk) + 3
@@ -41,7 +41,7 @@ def build(q_lens, seq_lens, hkv, group, d, seed, share=False):
     hq = hkv * group
     wide = torch.randn(row, hq * d + 3 * d, generator=g) * 2
     q = wide[:, : hq * d].view(row, hq, d)
-    return q, k, v, table.to(torch.int32), torch.tensor(starts), d ** -0.5
+    return q.to(dtype), k.to(dtype), v.to(dtype), table.to(torch.int32), torch.tensor(starts), d ** -0.5
 
 
 def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
@@ -118,10 +118,35 @@ def test_sliding_window():
         torch.testing.assert_close(out[r].double(), w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("hkv,group,d,window", [(3, 3, 64, None), (2, 8, 128, 21)])
+def test_bfloat16_queries(hkv, group, d, window, cache):
+    """bfloat16 queries and outputs on a bfloat16 (or int8) cache: within half a bfloat16 step of
+    float64 on the same inputs (float32 inside, one rounding at the end)."""
+    q_lens, seq_lens = [37, 20, 2, 150], [37, 60, 19, 250]
+    q, k, v, table, starts, scale = build(q_lens, seq_lens, hkv, group, d, seed=d, share=True, dtype=torch.bfloat16)
+    scales = (None, None)
+    if cache == torch.int8:
+        (k, ks, _), (v, vs, _) = quantize_int8(k.float()), quantize_int8(v.float())
+        scales = (ks, vs)
+    out = run(q, k, v, table, starts, q_lens, seq_lens, scale, window, *scales)
+    assert out.dtype == torch.bfloat16
+    seen = [c if s is None else c.float() * s[..., None, None] for c, s in ((k, scales[0]), (v, scales[1]))]
+    want = reference(q, *seen, table, starts, q_lens, seq_lens, scale, window)
+    for r, w in want.items():
+        err = (out[r].double() - w).abs()
+        assert (err <= w.abs() * 2.0 ** -8 + 1e-5).all(), (r, err.max())
+    others = torch.ones(q.shape[0], dtype=torch.bool)
+    others[torch.tensor(sorted(want))] = False
+    assert out[others].isnan().all(), "the kernel wrote rows outside the chunks"
+
+
 def test_supports_the_vectorized_shapes_only():
     k16 = torch.zeros(4, 2, 16, 64)
     assert supports(torch.zeros(3, 6, 64), k16)
     assert not supports(torch.zeros(3, 6, 64), torch.zeros(4, 2, 8, 64))  # block size 8
     assert not supports(torch.zeros(3, 6, 80), torch.zeros(4, 2, 16, 80))  # head size 80
-    assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k16.bfloat16())
+    assert supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k16.bfloat16())
+    assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k16)  # a cache of another type
+    assert not supports(torch.zeros(3, 6, 64), k16.bfloat16())
     assert supports(torch.zeros(3, 6, 64), k16.to(torch.int8))
