@@ -1,9 +1,10 @@
 """C kernels for the engine's hot path on the CPU, compiled on this machine at first use.
 
 The sources (`*.c` beside this file) are built once with the system C compiler (`$CC`, else
-`cc`) for this CPU (`-march=native`) with OpenMP, and cached under `$SLUICE_CACHE_DIR` (default
-`~/.cache/sluice`), keyed by the sources, flags, compiler and CPU. They are loaded with ctypes
-after torch, so their OpenMP threads are torch's own (one libgomp in the process).
+`cc`) for this CPU (`-march=native`) with OpenMP (`$SLUICE_NATIVE_CFLAGS` adds flags), and
+cached under `$SLUICE_CACHE_DIR` (default `~/.cache/sluice`), keyed by the sources, flags,
+compiler and CPU. They are loaded with ctypes after torch, so their OpenMP threads are torch's own
+(one libgomp in the process).
 
 Without a compiler, or if the build fails, `library()` is None, `unavailable_reason()` says why,
 and the engine runs its torch path instead (`EngineConfig.kernels="auto"`); forcing
@@ -31,6 +32,7 @@ HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 DISABLE_ENV = "SLUICE_NATIVE_KERNELS"  # "0": never build or load them
+EXTRA_FLAGS_ENV = "SLUICE_NATIVE_CFLAGS"  # more compiler flags, e.g. "-DSLUICE_NO_BF16_DOT" (simd.h)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -96,14 +98,15 @@ def _load() -> ctypes.CDLL:
         raise _Unavailable(f"{cc} --version failed: {e}") from e
     here = Path(__file__).parent
     sources = [here / s for s in SOURCES]
+    flags = [*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split()]
     key = hashlib.sha256()
     inputs = sources + [here / h for h in HEADERS]
-    for part in [*(f.read_bytes() for f in inputs), " ".join(FLAGS).encode(), version.encode(),
+    for part in [*(f.read_bytes() for f in inputs), " ".join(flags).encode(), version.encode(),
                  _cpu_signature().encode()]:
         key.update(part)
     target = _cache_dir() / f"sluice_cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
-        _build(cc, sources, target)
+        _build(cc, flags, sources, target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
@@ -112,7 +115,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def _build(cc: str, sources: list[Path], target: Path) -> None:
+def _build(cc: str, flags: list[str], sources: list[Path], target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # build beside the target, then rename: processes starting together never load a half-written file
@@ -120,7 +123,7 @@ def _build(cc: str, sources: list[Path], target: Path) -> None:
         os.close(fd)
     except OSError as e:
         raise _Unavailable(f"cannot write to the kernel cache {target.parent} (set SLUICE_CACHE_DIR): {e}") from e
-    cmd = [cc, *FLAGS, "-o", tmp, *map(str, sources), "-lm"]
+    cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
     log.info("building native CPU kernels: %s", " ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
     const int b0 = first / FAST_BLOCK, b1 = (len + FAST_BLOCK - 1) / FAST_BLOCK;
     const int64_t stride = (int64_t)(b1 - b0) * FAST_BLOCK;
     const int lo = first - b0 * FAST_BLOCK, hi = len - b0 * FAST_BLOCK;
-    float widened[FAST_BLOCK * 128]; /* a bfloat16 or int8 block of one head as floats, read by all its queries */
+    float widened[FAST_BLOCK * 128]; /* a widened block of one head, read by all its queries */
 
     for (int r = 0; r < hq; r++)
         for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
@@ -131,6 +131,19 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
             prefetch_bytes((const char *)k_cache + (int64_t)table[b + 1] * hkv * block_elems * elem_bytes,
                            hkv * block_elems * elem_bytes);
         for (int h = 0; h < hkv; h++) {
+#if HAVE_BF16_DOT
+            if (kind == CACHE_BF16) {
+                /* bfloat16 queries against the bfloat16 block as stored; the scale comes after */
+                const uint16_t *k = (const uint16_t *)k_cache + kb + h * block_elems;
+                for (int j = 0; j < g; j++) {
+                    const uint16_t *qr = (const uint16_t *)q + (h * g + j) * d;
+                    v16f part[16];
+                    for (int t = 0; t < FAST_BLOCK; t++) part[t] = dot_bf16_partial(qr, k + t * d, nv / 2);
+                    store16(scores + (h * g + j) * stride + (b - b0) * FAST_BLOCK, transpose_sum16(part) * scale);
+                }
+                continue;
+            }
+#endif
             const float *k = block_as_float(k_cache, kb + h * block_elems, block_elems, kind, widened);
             const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             for (int j = 0; j < g; j++) {
@@ -174,14 +187,18 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
         const int t0 = b == b0 ? lo : 0;
         const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
         for (int h = 0; h < hkv; h++) {
-            const float *v = block_as_float(v_cache, vb + h * block_elems, block_elems, kind, widened);
+            /* a bfloat16 V row is widened in registers as it is read; int8 blocks once, into `widened` */
+            const uint16_t *v16 = (const uint16_t *)v_cache + vb + h * block_elems;
+            const float *v = kind == CACHE_BF16 ? NULL : block_as_float(v_cache, vb + h * block_elems, block_elems,
+                                                                        kind, widened);
             const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             v16f acc[FAST_MAX_G][8];
             for (int j = 0; j < g; j++)
                 for (int c = 0; c < nv; c++) acc[j][c] = load16(acc_all + (h * g + j) * d + 16 * c);
             for (int t = t0; t < t1; t++) {
                 v16f vt[8];
-                for (int c = 0; c < nv; c++) vt[c] = load16(v + t * d + 16 * c);
+                for (int c = 0; c < nv; c++)
+                    vt[c] = kind == CACHE_BF16 ? widen16(v16 + t * d + 16 * c) : load16(v + t * d + 16 * c);
                 for (int j = 0; j < g; j++) {
                     float w = scores[(h * g + j) * stride + (b - b0) * FAST_BLOCK + t];
                     if (quantized) w *= vs;

@@ -30,6 +30,8 @@
  * Scores are kept transposed, st[t][r] for the block's 16 keys, so every step of the online
  * softmax runs along the rows in vectors, and q . k needs no horizontal sums: the queries are
  * transposed once per tile (qt[d][r]) and each key element is broadcast against 16 rows.
+ * On a bfloat16 cache with the bfloat16 dot instruction (`pairs`), q . k takes pairs of elements
+ * at a time (qt then holds pairs of bfloat16 queries) against the block as stored.
  * Scratch `w`: qt [D][R], st [16][R], acc [R][D], m, l, corr [R] each. */
 static inline __attribute__((always_inline)) void prefill_tile(
     const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache, const void *v_cache,
@@ -43,12 +45,20 @@ static inline __attribute__((always_inline)) void prefill_tile(
     float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;
     int qpos[TILE * MAX_G];
     float kw[BLOCK * 128], vw[BLOCK * 128]; /* a bfloat16 or int8 block of the head widened to floats */
+    /* pairs: qt2[e / 2][r] = (q_r[e], q_r[e + 1]) unscaled (the scale multiplies the scores) */
+    const int pairs = HAVE_BF16_DOT && kind == CACHE_BF16;
+    uint32_t *qt2 = (uint32_t *)qt;
     for (int r = 0; r < R; r++) {
         const int i = r / g, j = r % g;
+        const int64_t row = (int64_t)i * q_stride + (int64_t)(h * g + j) * d;
         qpos[r] = p0 + i;
-        for (int e = 0; e < d; e++)
-            qt[(size_t)e * R + r] =
-                i < rows ? load_act(q, (int64_t)i * q_stride + (int64_t)(h * g + j) * d + e, bf16) * scale : 0.0f;
+        if (pairs)
+            for (int e = 0; e < d; e += 2)
+                qt2[(size_t)(e / 2) * R + r] = i < rows ? ((const uint16_t *)q)[row + e]
+                                                              | (uint32_t)((const uint16_t *)q)[row + e + 1] << 16
+                                                        : 0u;
+        else
+            for (int e = 0; e < d; e++) qt[(size_t)e * R + r] = i < rows ? load_act(q, row + e, bf16) * scale : 0.0f;
         m[r] = -1e30f; /* finite: a row with no visible key yet never computes inf - inf */
         l[r] = 0.0f;
     }
@@ -57,13 +67,29 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int first_any = window > 0 ? (p0 - window + 1 > 0 ? p0 - window + 1 : 0) : 0;
     for (int b = first_any / BLOCK; b <= last / BLOCK; b++) {
         const int64_t at = ((int64_t)table[b] * hkv + h) * block_elems;
-        const float *k = block_as_float(k_cache, at, block_elems, kind, kw);
+        const float *k = pairs ? NULL : block_as_float(k_cache, at, block_elems, kind, kw);
         const float *v = block_as_float(v_cache, at, block_elems, kind, vw);
         const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const int kp0 = b * BLOCK;
         const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK; /* keys past the tile's last query are never read */
         /* st[t][r] = q_r . k_t */
+#if HAVE_BF16_DOT
+        if (pairs) {
+            /* each pair of key elements, one 32-bit word, broadcast against the pairs of 16 rows */
+            const uint32_t *k2 = (const uint32_t *)((const uint16_t *)k_cache + at);
+            for (int rv = 0; rv < nrv; rv++) {
+                __m512 part[BLOCK];
+                for (int t = 0; t < BLOCK; t++) part[t] = _mm512_setzero_ps();
+                for (int e2 = 0; e2 < d / 2; e2++) {
+                    const __m512bh qe = (__m512bh)_mm512_loadu_si512(qt2 + (size_t)e2 * R + 16 * rv);
+                    for (int t = 0; t < nk; t++)
+                        part[t] = _mm512_dpbf16_ps(part[t], qe, (__m512bh)_mm512_set1_epi32((int)k2[t * d / 2 + e2]));
+                }
+                for (int t = 0; t < nk; t++) store16(st + (size_t)t * R + 16 * rv, (v16f)part[t] * scale);
+            }
+        } else
+#endif
         for (int rv = 0; rv < nrv; rv++) {
             v16f part[BLOCK];
             for (int t = 0; t < BLOCK; t++) part[t] = (v16f){0};

@@ -8,6 +8,17 @@
 #include <stdint.h>
 #include <string.h>
 
+/* CPUs with AVX512-BF16 multiply pairs of bfloat16 and add them to float32 lanes in one
+ * instruction (VDPBF16PS): a dot product of bfloat16 vectors without widening them first. The
+ * products of two bfloat16 are exact in float32; only the float32 sums round, as in a float32 FMA
+ * loop (in another order). */
+#if defined(__AVX512BF16__) && !defined(SLUICE_NO_BF16_DOT)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 /* exp(x) for x <= 0 in single precision, written so the compiler vectorizes the loops that call
  * it (libm's expf is a scalar call). Range reduction by ln 2 split in two parts, then the Cephes
  * degree-6 polynomial on [-ln2/2, ln2/2]: relative error ~2e-7, like expf. */
@@ -100,6 +111,17 @@ static inline void narrow16(uint16_t *p, v16f x) {
     const v16h h = __builtin_convertvector((nan & is_nan) | (rounded & ~is_nan), v16h);
     memcpy(p, &h, sizeof h);
 }
+
+#if HAVE_BF16_DOT
+/* 16 partial sums of the dot product of two bfloat16 vectors of 32 * n elements. */
+static inline v16f dot_bf16_partial(const uint16_t *a, const uint16_t *b, const int n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < n; i++)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + 32 * i), (__m512bh)_mm512_loadu_si512(b + 32 * i));
+    return (v16f)acc;
+}
+
+#endif
 
 /* Activations (queries, outputs, hidden states) are float32 or bfloat16 (`bf16` a constant flag):
  * element i of a buffer as a float, and 16 of them as a vector, whichever the type. */

@@ -115,6 +115,20 @@ def test_bfloat16_queries(hkv, group, d, quant, window):
         assert (err <= f64.abs() * 2.0 ** -8 + 1e-5).all(), err.max()
 
 
+def test_bfloat16_without_the_dot_instruction(monkeypatch, tmp_path):
+    """Built without VDPBF16PS (as on CPUs that lack AVX512-BF16), bfloat16 blocks are widened to
+    float32 first; decode and prefill keep the same bounds."""
+    from test_paged_prefill_cpu import test_bfloat16_queries as prefill_bfloat16_queries
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SLUICE_NATIVE_CFLAGS", "-DSLUICE_NO_BF16_DOT")
+    assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
+    test_bfloat16_queries(2, 8, 128, None, 37)
+    test_bfloat16_queries(3, 3, 64, None, None)
+    prefill_bfloat16_queries(3, 3, 64, 21, torch.bfloat16)
+
+
 def test_which_query_and_cache_types_it_serves():
     k = torch.zeros(4, 2, 16, 64)
     q32, q16 = torch.zeros(3, 6, 64), torch.zeros(3, 6, 64, dtype=torch.bfloat16)
