@@ -99,6 +99,7 @@ class Actor:
         self._hooks_live = False          # on_start completed, on_stop not yet run
         self._in_hand: list[Any] = []     # the message being handled, if any
         self._where = ""                  # what the actor was doing, for the crash log line
+        self._handling: Any = None        # with _where "handling": the message (rendered only on a crash)
         self._background: set[asyncio.Task[Any]] = set()
         self._watchers: list[Callable[[Actor], None]] = []
 
@@ -255,7 +256,7 @@ class Actor:
                     break
                 except Exception as exc:
                     self.crashes += 1
-                    log.error("actor %s crashed %s", self.name, self._where, exc_info=exc)
+                    log.error("actor %s crashed %s", self.name, self._where_text(), exc_info=exc)
                     await self._release()
                     decision = self._supervisor.on_crash()
                     if not decision.restart:
@@ -291,7 +292,7 @@ class Actor:
                 self._where = "outside handle (fail() or a spawned task)"
                 raise message.exc
             self._in_hand = [message]
-            self._where = f"handling {describe(message)}"
+            self._where, self._handling = "handling", message
             try:
                 await self.handle(message)
             except Exception as exc:
@@ -303,6 +304,9 @@ class Actor:
                 raise
             self._in_hand = []
             self.processed += 1
+
+    def _where_text(self) -> str:
+        return f"handling {describe(self._handling)}" if self._where == "handling" else self._where
 
     async def _stop_requested_within(self, delay: float) -> bool:
         try:
