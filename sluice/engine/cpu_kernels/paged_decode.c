@@ -100,6 +100,15 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 /* The fast path: block_size 16, D 64 or 128, G <= 16, in 16-float vectors (simd.h). A block's 16
  * scores for one query are 16 dot products, summed across lanes together by transpose_sum16. */
 #define FAST_BLOCK 16
+/* How far ahead of the block being computed on its K (then V) blocks are asked for: a block of
+ * all heads is a few KiB, read in a fraction of the time memory takes to deliver it, so only many
+ * requests in flight at once keep the memory bus busy when a sequence's blocks lie scattered, as
+ * they come to in a long-running server (measured on SmolLM2's shapes, blocks at random places:
+ * ~48 KiB ahead ~15 % faster than one block ahead, more gains nothing; blocks in order, as in a
+ * fresh cache, are streamed by the hardware prefetcher either way). */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES (48 << 10)
+#endif
 #define FAST_MAX_G 16
 
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
@@ -125,11 +134,13 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
     for (int r = 0; r < hq; r++)
         for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
 
+    const int64_t block_bytes = hkv * block_elems * elem_bytes; /* all heads of a block: one run */
+    const int ahead = block_bytes >= PREFETCH_BYTES ? 1 : (int)(PREFETCH_BYTES / block_bytes);
+    for (int b = b0 + 1; b < b0 + ahead && b < b1; b++)
+        prefetch_bytes((const char *)k_cache + (int64_t)table[b] * block_bytes, block_bytes);
     for (int b = b0; b < b1; b++) {
         const int64_t kb = (int64_t)table[b] * hkv * block_elems;
-        if (b + 1 < b1)
-            prefetch_bytes((const char *)k_cache + (int64_t)table[b + 1] * hkv * block_elems * elem_bytes,
-                           hkv * block_elems * elem_bytes);
+        if (b + ahead < b1) prefetch_bytes((const char *)k_cache + (int64_t)table[b + ahead] * block_bytes, block_bytes);
         for (int h = 0; h < hkv; h++) {
 #if HAVE_BF16_DOT
             if (kind == CACHE_BF16) {
@@ -161,6 +172,9 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
         }
     }
 
+    for (int b = b0; b < b0 + ahead && b < b1; b++) /* in flight during the softmax */
+        prefetch_bytes((const char *)v_cache + (int64_t)table[b] * block_bytes, block_bytes);
+
     /* softmax over positions first .. len-1 (rows of the first and last block outside are unused);
      * the outputs start at zero and are divided by the sums at the end */
     for (int r = 0; r < hq; r++) {
@@ -181,9 +195,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
 
     for (int b = b0; b < b1; b++) {
         const int64_t vb = (int64_t)table[b] * hkv * block_elems;
-        if (b + 1 < b1)
-            prefetch_bytes((const char *)v_cache + (int64_t)table[b + 1] * hkv * block_elems * elem_bytes,
-                           hkv * block_elems * elem_bytes);
+        if (b + ahead < b1) prefetch_bytes((const char *)v_cache + (int64_t)table[b + ahead] * block_bytes, block_bytes);
         const int t0 = b == b0 ? lo : 0;
         const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
         for (int h = 0; h < hkv; h++) {
