@@ -100,6 +100,8 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 /* The fast path: block_size 16, D 64 or 128, G <= 16, in 16-float vectors (simd.h). A block's 16
  * scores for one query are 16 dot products, summed across lanes together by transpose_sum16. */
 #define FAST_BLOCK 16
+#define FAST_MAX_G 16
+
 /* How far ahead of the block being computed on its K (then V) blocks are asked for: a block of
  * all heads is a few KiB, read in a fraction of the time memory takes to deliver it, so only many
  * requests in flight at once keep the memory bus busy when a sequence's blocks lie scattered, as
@@ -109,7 +111,6 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES (48 << 10)
 #endif
-#define FAST_MAX_G 16
 
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each
