@@ -6,8 +6,8 @@ dequantized into a compact temporary cache (block tables renumbered to match), s
 attention code runs on it.
 
 native (the CPU default where it builds): the cache write, decodes and prefill chunks through the
-C kernels of `cpu_kernels` (float32 models, float32 or int8 caches, the int8 one read directly;
-bfloat16 keeps the torch path).
+C kernels of `cpu_kernels` (float32 or bfloat16 models, on a cache of the model's type or an int8
+one, read directly).
 
 triton (the CUDA default): the cache write and the decode attention are Triton kernels that read
 a quantized cache directly; prefill chunks still go through SDPA (on a dequantized copy of their
@@ -112,7 +112,7 @@ def _prefills_through_sdpa(q, k, v, cache: LayerKVCache, meta: AttentionMetadata
 
 
 def _native_serves(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The C kernels can write this cache and attend on it (float32 model, float32 or int8 cache)."""
+    """The C kernels can write this cache and attend on it (`paged_decode.supports`, `kv_write.supports`)."""
     from .cpu_kernels import kv_write, paged_decode
 
     return paged_decode.supports(q, k_cache) and kv_write.supports(k, k_cache)
