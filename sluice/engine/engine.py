@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sluice.engine.config import EngineConfig, ModelConfig
+from sluice.engine.cpu_kernels import cpu_multiplies_bfloat16
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import LoadedModel, load_model
@@ -132,6 +133,9 @@ class LLMEngine:
             self.config.max_num_batched_tokens, self.config.max_num_seqs,
             "on" if self.config.enable_prefix_caching else "off",
         )
+        if self.config.dtype == "float32" and self.kernels == "native" and cpu_multiplies_bfloat16():
+            log.info("this CPU multiplies bfloat16 natively: --dtype bfloat16 (EngineConfig(dtype='bfloat16')) is "
+                     "much faster (~1.8x in docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision")
 
     # -- requests ------------------------------------------------------------------------------
 
