@@ -135,7 +135,7 @@ class LLMEngine:
         )
         if self.config.dtype == "float32" and self.kernels == "native" and cpu_multiplies_bfloat16():
             log.info("this CPU multiplies bfloat16 natively: --dtype bfloat16 (EngineConfig(dtype='bfloat16')) is "
-                     "much faster (~1.8x in docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision")
+                     "much faster (~1.7x in docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision")
 
     # -- requests ------------------------------------------------------------------------------
 
