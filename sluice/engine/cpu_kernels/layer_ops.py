@@ -9,6 +9,7 @@ import torch
 from . import require_library
 
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_BF16_HEAD_DIM = 512  # 2 * STAGE in layer_ops.c
 
 
 def _check_rows(name: str, t: torch.Tensor, width: int, dtype: torch.dtype) -> None:
@@ -69,8 +70,8 @@ def rotary_native_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
                 or t.shape[2] != d):
             raise ValueError(f"{name}: {q.dtype} [{rows}, {heads}, {d}] with contiguous heads expected, "
                              f"got {tuple(t.shape)} {t.dtype} strides {t.stride()}")
-    if d % 2:
-        raise ValueError(f"head_dim must be even, got {d}")
+    if d % 2 or (bf16 and d > MAX_BF16_HEAD_DIM):
+        raise ValueError(f"head_dim must be even (and at most {MAX_BF16_HEAD_DIM} in bfloat16), got {d}")
     cos = cos.reshape(rows, -1).to(torch.float32).contiguous()
     sin = sin.reshape(rows, -1).to(torch.float32).contiguous()
     if cos.shape[1] != d // 2 or sin.shape[1] != d // 2:

@@ -11,7 +11,8 @@
 /* CPUs with AVX512-BF16 multiply pairs of bfloat16 and add them to float32 lanes in one
  * instruction (VDPBF16PS): a dot product of bfloat16 vectors without widening them first. The
  * products of two bfloat16 are exact in float32; only the float32 sums round, as in a float32 FMA
- * loop (in another order). */
+ * loop (in another order). They also round 16 floats to bfloat16 in one instruction.
+ * -DSLUICE_NO_BF16_DOT builds the portable code instead (the tests check both). */
 #if defined(__AVX512BF16__) && !defined(SLUICE_NO_BF16_DOT)
 #include <immintrin.h>
 #define HAVE_BF16_DOT 1
@@ -93,8 +94,9 @@ static inline float bf16_to_float(uint16_t h) {
 static inline uint16_t float_to_bf16(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded); /* a select, so loops vectorize */
 }
 
 static inline v16f widen16(const uint16_t *p) {
@@ -104,12 +106,38 @@ static inline v16f widen16(const uint16_t *p) {
 }
 
 static inline void narrow16(uint16_t *p, v16f x) {
+#if HAVE_BF16_DOT
+    /* one instruction (VCVTNEPS2BF16: nearest even; it treats float32 denormals as zero) */
+    const __m256bh h = _mm512_cvtneps_pbh((__m512)x);
+    memcpy(p, &h, sizeof h);
+#else
     const v16u bits = (v16u)x;
     const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     const v16u nan = (bits >> 16) | 0x40u;
     const v16u is_nan = (v16u)((bits & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
     const v16h h = __builtin_convertvector((nan & is_nan) | (rounded & ~is_nan), v16h);
     memcpy(p, &h, sizeof h);
+#endif
+}
+
+/* x rounded to the nearest bfloat16, as a float. */
+static inline v16f round16_bf16(v16f x) {
+    uint16_t h[16];
+    narrow16(h, x);
+    return widen16(h);
+}
+
+/* n bfloat16 <-> float32, 16 at a time, then one by one. */
+static inline void widen_n(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) store16(dst + i, widen16(src + i));
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+static inline void narrow_n(uint16_t *dst, const float *src, int n) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) narrow16(dst + i, load16(src + i));
+    for (; i < n; i++) dst[i] = float_to_bf16(src[i]);
 }
 
 #if HAVE_BF16_DOT
