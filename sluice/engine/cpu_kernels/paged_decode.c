@@ -132,8 +132,9 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
     const int lo = first - b0 * FAST_BLOCK, hi = len - b0 * FAST_BLOCK;
     float widened[FAST_BLOCK * 128]; /* a widened block of one head, read by all its queries */
 
-    for (int r = 0; r < hq; r++)
-        for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
+    if (!(HAVE_BF16_DOT && kind == CACHE_BF16)) /* that path reads the bfloat16 queries as they are */
+        for (int r = 0; r < hq; r++)
+            for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
 
     const int64_t block_bytes = hkv * block_elems * elem_bytes; /* all heads of a block: one run */
     const int ahead = block_bytes >= PREFETCH_BYTES ? 1 : (int)(PREFETCH_BYTES / block_bytes);
@@ -242,9 +243,7 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
     if (num_threads < 1) num_threads = 1;
     const int hq = hkv * g;
     const int fast = bs == FAST_BLOCK && g <= FAST_MAX_G && (d == 64 || d == 128);
-    if (kind == CACHE_BF16 ? !bf16 : (kind == CACHE_F32 ? bf16 : kind != CACHE_I8)) return -2;
-    if (!fast && (kind != CACHE_F32 || bf16)) return -2;
-    if ((kind == CACHE_I8) != (k_scale != NULL)) return -2;
+    if (!attention_types_served(kind, bf16, k_scale) || (!fast && (kind != CACHE_F32 || bf16))) return -2;
     const int64_t act_bytes = bf16 ? 2 : 4;
     /* per thread: scores of every head (with room for whole first and last blocks), then the
      * scaled queries and the outputs (fast path) or one head's accumulator (generic path) */
@@ -262,7 +261,6 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
         const void *qi = (const char *)q + tokens[i] * q_stride * act_bytes;
         void *oi = (char *)out + tokens[i] * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-        /* constant arguments: the compiler makes one specialized copy per case */
 #define FAST(NV, KIND, BF16)                                                                                       \
     decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, NV, KIND, BF16, scale, qs, \
                     acc, scores)
@@ -272,14 +270,8 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
                 decode_item((const float *)qi + (int64_t)h * g * d, (float *)oi + (int64_t)h * g * d,
                             (const float *)k_cache, (const float *)v_cache, table, first, len, hkv, h, g, d, bs,
                             scale, scores, qs);
-        else if (kind == CACHE_F32)
-            d == 64 ? FAST(4, CACHE_F32, 0) : FAST(8, CACHE_F32, 0);
-        else if (kind == CACHE_BF16)
-            d == 64 ? FAST(4, CACHE_BF16, 1) : FAST(8, CACHE_BF16, 1);
-        else if (bf16)
-            d == 64 ? FAST(4, CACHE_I8, 1) : FAST(8, CACHE_I8, 1);
         else
-            d == 64 ? FAST(4, CACHE_I8, 0) : FAST(8, CACHE_I8, 0);
+            CALL_SPECIALIZED(FAST, d, kind, bf16);
 #undef FAST
     }
     free(scratch);

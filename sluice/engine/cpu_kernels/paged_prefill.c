@@ -158,8 +158,7 @@ int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out
                          int64_t bt_stride, int hkv, int g, int d, int bs, float scale, int window, int kind, int bf16,
                          int num_threads) {
     if (bs != BLOCK || g > MAX_G || (d != 64 && d != 128)) return -2;
-    if (kind == CACHE_BF16 ? !bf16 : (kind == CACHE_F32 ? bf16 : kind != CACHE_I8)) return -2;
-    if ((kind == CACHE_I8) != (k_scale != NULL)) return -2;
+    if (!attention_types_served(kind, bf16, k_scale)) return -2;
     if (num_threads < 1) num_threads = 1;
     const int64_t act_bytes = bf16 ? 2 : 4;
     /* work items (chunk, tile, head), tiles of all chunks numbered in order */
@@ -189,18 +188,10 @@ int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out
         const void *qi = (const char *)q + (starts[i] + (int64_t)ti * TILE) * q_stride * act_bytes;
         void *oi = (char *)out + (starts[i] + (int64_t)ti * TILE) * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-        /* constant arguments: the compiler makes one specialized copy per case */
 #define TILE_OF(NV, KIND, BF16)                                                                                   \
     prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window, hkv, h, \
                  g, NV, KIND, BF16, scale, w)
-        if (kind == CACHE_F32)
-            d == 64 ? TILE_OF(4, CACHE_F32, 0) : TILE_OF(8, CACHE_F32, 0);
-        else if (kind == CACHE_BF16)
-            d == 64 ? TILE_OF(4, CACHE_BF16, 1) : TILE_OF(8, CACHE_BF16, 1);
-        else if (bf16)
-            d == 64 ? TILE_OF(4, CACHE_I8, 1) : TILE_OF(8, CACHE_I8, 1);
-        else
-            d == 64 ? TILE_OF(4, CACHE_I8, 0) : TILE_OF(8, CACHE_I8, 0);
+        CALL_SPECIALIZED(TILE_OF, d, kind, bf16);
 #undef TILE_OF
     }
     free(scratch);

@@ -96,7 +96,7 @@ static inline uint16_t float_to_bf16(float x) {
     memcpy(&bits, &x, sizeof bits);
     const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     const uint32_t nan = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded); /* a select, so loops vectorize */
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline v16f widen16(const uint16_t *p) {
@@ -157,13 +157,6 @@ static inline float load_act(const void *p, int64_t i, const int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline void store_act(void *p, int64_t i, float x, const int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = float_to_bf16(x);
-    else
-        ((float *)p)[i] = x;
-}
-
 static inline v16f load16_act(const void *p, int64_t i, const int bf16) {
     return bf16 ? widen16((const uint16_t *)p + i) : load16((const float *)p + i);
 }
@@ -179,6 +172,28 @@ static inline void store16_act(void *p, int64_t i, v16f x, const int bf16) {
 enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
 
 static inline int64_t cache_elem_bytes(const int kind) { return kind == CACHE_F32 ? 4 : kind == CACHE_BF16 ? 2 : 1; }
+
+/* The query and cache types the attention kernels pair (the table in attention_args.py): float32
+ * queries on a float32 or int8 cache, bfloat16 ones on a bfloat16 or int8 cache; scales come with
+ * an int8 cache and only with it. */
+static inline int attention_types_served(int kind, int bf16, const float *k_scale) {
+    const int pairs = kind == CACHE_I8 || (kind == CACHE_F32 && !bf16) || (kind == CACHE_BF16 && bf16);
+    return pairs && (kind == CACHE_I8) == (k_scale != NULL);
+}
+
+/* CALL(NV, KIND, BF16) for head size d (64 -> NV 4, 128 -> NV 8) and the served types, every
+ * argument a constant: the compiler makes one specialized copy of the kernel per case. */
+#define CALL_SPECIALIZED(CALL, d, kind, bf16)                                   \
+    do {                                                                        \
+        if ((kind) == CACHE_F32)                                                \
+            (d) == 64 ? CALL(4, CACHE_F32, 0) : CALL(8, CACHE_F32, 0);          \
+        else if ((kind) == CACHE_BF16)                                          \
+            (d) == 64 ? CALL(4, CACHE_BF16, 1) : CALL(8, CACHE_BF16, 1);        \
+        else if (bf16)                                                          \
+            (d) == 64 ? CALL(4, CACHE_I8, 1) : CALL(8, CACHE_I8, 1);            \
+        else                                                                    \
+            (d) == 64 ? CALL(4, CACHE_I8, 0) : CALL(8, CACHE_I8, 0);            \
+    } while (0)
 
 /* One block of one head as floats: the cache itself when float32; a bfloat16 or int8 block
  * widened into `buf` (once, then read by every query of the head; an int8 block's scale is applied
