@@ -211,8 +211,9 @@ class LocalKafka:
         if (self.data_dir / "meta.properties").exists():
             return
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
-        proc = self._java("kafka.tools.StorageTool", "format", "-t",
-                          cluster_id, "-c", str(self.config_file), timeout=180)
+        # `=` form: a base64 id may start with "-", which would otherwise read as an option
+        proc = self._java("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+                          "-c", str(self.config_file), timeout=180)
         if proc.returncode != 0:
             raise StackError(
                 "formatting Kafka storage failed (kafka.tools.StorageTool):\n"

@@ -107,3 +107,21 @@ def test_unreachable_maven_repository_is_named(stack_env, tmp_path):
     assert "could not resolve org.apache.kafka:kafka_2.13" in result.stderr
     assert "Maven Central reachable" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_storage_formats_with_a_cluster_id_that_starts_with_a_dash(tmp_path, monkeypatch):
+    # A random base64 cluster id starts with "-" one time in 64; the storage tool must not read it
+    # as an option (this once failed a whole CI run).
+    import uuid
+
+    from sluice.connectors import kafka_broker
+    from sluice.connectors.settings import StackSettings
+
+    kafka = kafka_broker.LocalKafka(StackSettings(home=tmp_path / "home"))
+    kafka.ensure_jars()
+    kafka.dir.mkdir(parents=True)
+    kafka.config_file.write_text(kafka_broker.server_properties(kafka.settings, kafka.data_dir))
+    leading_dash = uuid.UUID(bytes=bytes([0xF8]) + bytes(15))  # urlsafe base64 "-AAA..."
+    monkeypatch.setattr(kafka_broker.uuid, "uuid4", lambda: leading_dash)
+    kafka._format_storage()
+    assert "cluster.id=-AAAAAAAAAAAAAAAAAAAAA" in (kafka.data_dir / "meta.properties").read_text()
