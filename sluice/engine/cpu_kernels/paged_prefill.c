@@ -25,6 +25,30 @@
 #define TILE 16 /* query positions per work item */
 #define MAX_G 16
 
+/* Rows r .. r+nq-1 of the accumulator (acc points at row r, p at its weight for key 0, the weight
+ * of key t t_stride further on): acc = acc * corr + sum over the block's keys t < nk of p_t v_t.
+ * Each V row is loaded once for the nq rows, whose sums stay in registers (nq a constant): with a
+ * row at a time, loading V, not multiplying, bounds the loop. */
+#define PV_ROWS(nv) ((nv) == 4 ? 4 : 2) /* nq * nv sums + nv V rows fit in 32 registers */
+static inline __attribute__((always_inline)) void pv_rows(float *acc, const float *p, int t_stride, const float *corr,
+                                                          const float *v, int nk, const int nq, const int nv,
+                                                          const int quantized, float vs) {
+    const int d = 16 * nv;
+    v16f o[4][8];
+    for (int j = 0; j < nq; j++)
+        for (int c = 0; c < nv; c++) o[j][c] = load16(acc + (size_t)j * d + 16 * c) * corr[j];
+    for (int t = 0; t < nk; t++) {
+        v16f vt[8];
+        for (int c = 0; c < nv; c++) vt[c] = load16(v + t * d + 16 * c);
+        for (int j = 0; j < nq; j++) {
+            const float pt = quantized ? p[(size_t)t * t_stride + j] * vs : p[(size_t)t * t_stride + j];
+            for (int c = 0; c < nv; c++) o[j][c] += pt * vt[c];
+        }
+    }
+    for (int j = 0; j < nq; j++)
+        for (int c = 0; c < nv; c++) store16(acc + (size_t)j * d + 16 * c, o[j][c]);
+}
+
 /* One tile: query positions p0 .. p0+rows-1 of a chunk, KV head h, as R = TILE * G query rows
  * r = i * G + j (position p0 + i, query head h * G + j; rows past `rows` are zero padding).
  * Scores are kept transposed, st[t][r] for the block's 16 keys, so every step of the online
@@ -83,10 +107,11 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 for (int t = 0; t < BLOCK; t++) part[t] = _mm512_setzero_ps();
                 for (int e2 = 0; e2 < d / 2; e2++) {
                     const __m512bh qe = (__m512bh)_mm512_loadu_si512(qt2 + (size_t)e2 * R + 16 * rv);
-                    for (int t = 0; t < nk; t++)
+                    for (int t = 0; t < BLOCK; t++)
                         part[t] = _mm512_dpbf16_ps(part[t], qe, (__m512bh)_mm512_set1_epi32((int)k2[t * d / 2 + e2]));
                 }
-                for (int t = 0; t < nk; t++) store16(st + (size_t)t * R + 16 * rv, (v16f)part[t] * scale);
+                for (int t = 0; t < BLOCK; t++)
+                    if (t < nk) store16(st + (size_t)t * R + 16 * rv, (v16f)part[t] * scale);
             }
         } else
 #endif
@@ -95,9 +120,10 @@ static inline __attribute__((always_inline)) void prefill_tile(
             for (int t = 0; t < BLOCK; t++) part[t] = (v16f){0};
             for (int e = 0; e < d; e++) {
                 const v16f qe = load16(qt + (size_t)e * R + 16 * rv);
-                for (int t = 0; t < nk; t++) part[t] += qe * k[t * d + e];
+                for (int t = 0; t < BLOCK; t++) part[t] += qe * k[t * d + e];
             }
-            for (int t = 0; t < nk; t++) store16(st + (size_t)t * R + 16 * rv, quantized ? part[t] * ks : part[t]);
+            for (int t = 0; t < BLOCK; t++)
+                if (t < nk) store16(st + (size_t)t * R + 16 * rv, quantized ? part[t] * ks : part[t]);
         }
         /* causal (and window) mask: only where the block reaches past a row's position or before its window */
         const int masked = kp0 + nk - 1 > p0 || (window > 0 && kp0 <= last - window);
@@ -128,15 +154,16 @@ static inline __attribute__((always_inline)) void prefill_tile(
                 l[r] += e;
             }
         }
-        /* acc[r] = acc[r] * corr[r] + sum_t p[t][r] v_t */
-        for (int r = 0; r < rows * g; r++) {
-            v16f o[8];
-            for (int c = 0; c < nv; c++) o[c] = load16(acc + (size_t)r * d + 16 * c) * corr[r];
-            for (int t = 0; t < nk; t++) {
-                const float pt = quantized ? st[(size_t)t * R + r] * vs : st[(size_t)t * R + r];
-                for (int c = 0; c < nv; c++) o[c] += pt * load16(v + t * d + 16 * c);
-            }
-            for (int c = 0; c < nv; c++) store16(acc + (size_t)r * d + 16 * c, o[c]);
+        /* acc[r] = acc[r] * corr[r] + sum_t p[t][r] v_t, a few rows at a time */
+        for (int r = 0; r < rows * g;) {
+            const int nq = rows * g - r < PV_ROWS(nv) ? rows * g - r : PV_ROWS(nv);
+#define PV(NQ) pv_rows(acc + (size_t)r * d, st + r, R, corr + r, v, nk, NQ, nv, quantized, vs)
+            if (nq == 1) PV(1);
+            else if (nq == 2) PV(2);
+            else if (nq == 3) PV(3);
+            else PV(4);
+#undef PV
+            r += nq;
         }
     }
     for (int r = 0; r < rows * g; r++) {
