@@ -96,8 +96,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
         const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
         const int kp0 = b * BLOCK;
-        const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK; /* keys past the tile's last query are never read */
-        /* st[t][r] = q_r . k_t */
+        const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK; /* keys past the tile's last query are unused */
+        /* st[t][r] = q_r . k_t, computed for all 16 keys of the block (a constant count keeps the 16 partial
+         * sums in registers; the block is allocated whole) and kept for the first nk */
 #if HAVE_BF16_DOT
         if (pairs) {
             /* each pair of key elements, one 32-bit word, broadcast against the pairs of 16 rows */
