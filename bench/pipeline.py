@@ -16,7 +16,8 @@ other processes kept busy are measured ("others"): on one machine the broker, Re
 benchmark's client take CPU from the engine, which a deployment would not.
 Prompts are text (seeded random tokens decoded), so both sides tokenize the same strings. Greedy,
 ignore_eos: every request produces exactly --output-len tokens on both sides.
-Writes bench/results/pipeline.json and prints a table.
+Writes bench/results/pipeline.json, prints a table, and draws each side's TTFT and TPOT
+distributions in bench/results/pipeline.png (with matplotlib: `pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ import uuid
 from pathlib import Path
 
 from cpu_meter import Timed
+from pipeline_plot import plot_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
+FIGURE = RESULTS.with_suffix(".png")
 SPECIAL_TOKENS = 17
 
 
@@ -69,10 +72,12 @@ def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[str]:
 
 
 def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict:
+    """One side's figures; ttft and tpot per request, in the order of the prompts."""
     return {"side": name, "requests": len(ttft), "output_tokens": tokens, "wall_s": wall,
             "throughput_tok_s": tokens / wall,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99)}
+            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+            "ttft_s": ttft, "tpot_s": tpot}
 
 
 def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
@@ -241,6 +246,10 @@ def main() -> None:
     print("others = cores other processes kept busy during the timed phase (Kafka side: the broker, Redis and "
           "this client, which share this machine's CPUs with the engine)")
     print(f"written: {RESULTS.relative_to(ROOT)}")
+    if plot_pipeline(result, FIGURE):
+        print(f"drawn: {FIGURE.relative_to(ROOT)} (TTFT and TPOT of every request, both sides)")
+    else:
+        print('no figure: matplotlib is not installed (pip install -e ".[bench]")')
 
 
 if __name__ == "__main__":
