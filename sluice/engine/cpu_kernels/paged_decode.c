@@ -117,32 +117,6 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 /* Whether block b of a sequence lies right after block b - 1 in memory. */
 static inline int follows(const int32_t *table, int b) { return table[b] == table[b - 1] + 1; }
 
-/* The weighted sum of one block's V rows t0 .. t1-1 into the outputs of nq queries of one head:
- * acc[j] += sum_t w[j * stride + t] * v_t. Each V row is read once for all nq queries, and the
- * accumulators stay in registers (nq a constant): loads, not multiplies, bound this loop when a row
- * is read again per query. v: the block as stored (bfloat16, widened as read) or as floats. */
-#define PV_QUERIES(nv) ((nv) == 4 ? 4 : 2) /* nq * nv accumulators + nv rows fit in 32 registers */
-static inline __attribute__((always_inline)) void pv_queries(float *acc_out, const float *w, int64_t stride,
-                                                             const void *v, int t0, int t1, const int nq,
-                                                             const int nv, const int kind, float vs) {
-    const int d = 16 * nv;
-    v16f acc[4][8];
-    for (int j = 0; j < nq; j++)
-        for (int c = 0; c < nv; c++) acc[j][c] = load16(acc_out + j * d + 16 * c);
-    for (int t = t0; t < t1; t++) {
-        v16f vt[8];
-        for (int c = 0; c < nv; c++)
-            vt[c] = kind == CACHE_BF16 ? widen16((const uint16_t *)v + t * d + 16 * c)
-                                       : load16((const float *)v + t * d + 16 * c);
-        for (int j = 0; j < nq; j++) {
-            const float wt = kind == CACHE_I8 ? w[j * stride + t] * vs : w[j * stride + t];
-            for (int c = 0; c < nv; c++) acc[j][c] += wt * vt[c];
-        }
-    }
-    for (int j = 0; j < nq; j++)
-        for (int c = 0; c < nv; c++) store16(acc_out + j * d + 16 * c, acc[j][c]);
-}
-
 /* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each
  * head. kind: what the cache holds (simd.h); an int8 one has one float32 scale per (block, KV head)
@@ -240,18 +214,8 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
                                                : (const void *)block_as_float(v_cache, vb + h * block_elems,
                                                                               block_elems, kind, widened);
             const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
-            for (int j = 0; j < g;) {
-                const int r = h * g + j;
-                const float *w = scores + r * stride + (b - b0) * FAST_BLOCK;
-                const int nq = g - j < PV_QUERIES(nv) ? g - j : PV_QUERIES(nv);
-#define PV(NQ) pv_queries(acc_all + r * d, w, stride, v, t0, t1, NQ, nv, kind, vs)
-                if (nq == 1) PV(1);
-                else if (nq == 2) PV(2);
-                else if (nq == 3) PV(3);
-                else PV(4);
-#undef PV
-                j += nq;
-            }
+            add_weighted_v(acc_all + h * g * d, NULL, scores + h * g * stride + (b - b0) * FAST_BLOCK, stride, 1, v,
+                           kind == CACHE_BF16, t0, t1, g, nv, quantized, vs);
         }
     }
     for (int r = 0; r < hq; r++) {

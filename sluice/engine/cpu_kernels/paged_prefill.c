@@ -25,30 +25,6 @@
 #define TILE 16 /* query positions per work item */
 #define MAX_G 16
 
-/* Rows r .. r+nq-1 of the accumulator (acc points at row r, p at its weight for key 0, the weight
- * of key t t_stride further on): acc = acc * corr + sum over the block's keys t < nk of p_t v_t.
- * Each V row is loaded once for the nq rows, whose sums stay in registers (nq a constant): with a
- * row at a time, loading V, not multiplying, bounds the loop. */
-#define PV_ROWS(nv) ((nv) == 4 ? 4 : 2) /* nq * nv sums + nv V rows fit in 32 registers */
-static inline __attribute__((always_inline)) void pv_rows(float *acc, const float *p, int t_stride, const float *corr,
-                                                          const float *v, int nk, const int nq, const int nv,
-                                                          const int quantized, float vs) {
-    const int d = 16 * nv;
-    v16f o[4][8];
-    for (int j = 0; j < nq; j++)
-        for (int c = 0; c < nv; c++) o[j][c] = load16(acc + (size_t)j * d + 16 * c) * corr[j];
-    for (int t = 0; t < nk; t++) {
-        v16f vt[8];
-        for (int c = 0; c < nv; c++) vt[c] = load16(v + t * d + 16 * c);
-        for (int j = 0; j < nq; j++) {
-            const float pt = quantized ? p[(size_t)t * t_stride + j] * vs : p[(size_t)t * t_stride + j];
-            for (int c = 0; c < nv; c++) o[j][c] += pt * vt[c];
-        }
-    }
-    for (int j = 0; j < nq; j++)
-        for (int c = 0; c < nv; c++) store16(acc + (size_t)j * d + 16 * c, o[j][c]);
-}
-
 /* One tile: query positions p0 .. p0+rows-1 of a chunk, KV head h, as R = TILE * G query rows
  * r = i * G + j (position p0 + i, query head h * G + j; rows past `rows` are zero padding).
  * Scores are kept transposed, st[t][r] for the block's 16 keys, so every step of the online
@@ -156,16 +132,7 @@ static inline __attribute__((always_inline)) void prefill_tile(
             }
         }
         /* acc[r] = acc[r] * corr[r] + sum_t p[t][r] v_t, a few rows at a time */
-        for (int r = 0; r < rows * g;) {
-            const int nq = rows * g - r < PV_ROWS(nv) ? rows * g - r : PV_ROWS(nv);
-#define PV(NQ) pv_rows(acc + (size_t)r * d, st + r, R, corr + r, v, nk, NQ, nv, quantized, vs)
-            if (nq == 1) PV(1);
-            else if (nq == 2) PV(2);
-            else if (nq == 3) PV(3);
-            else PV(4);
-#undef PV
-            r += nq;
-        }
+        add_weighted_v(acc, corr, st, 1, R, v, 0, 0, nk, rows * g, nv, quantized, vs);
     }
     for (int r = 0; r < rows * g; r++) {
         const int i = r / g, j = r % g;

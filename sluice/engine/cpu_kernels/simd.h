@@ -195,6 +195,54 @@ static inline int attention_types_served(int kind, int bf16, const float *k_scal
             (d) == 64 ? CALL(4, CACHE_I8, 0) : CALL(8, CACHE_I8, 0);            \
     } while (0)
 
+/* The attention output's weighted sum of V, for n rows of outputs (query heads or query
+ * positions) over V rows t0 .. t1-1 of one block of one head:
+ *   acc[j] = acc[j] * corr[j] + sum_t w[j * w_row + t * w_key] * vs * v_t   (corr NULL: 1; vs: an
+ *   int8 block's scale, used when `scaled`).
+ * acc is [n, 16 * nv] floats; v is the block as bfloat16 (`v_bf16`: widened in registers as read)
+ * or as floats. Rows go in groups whose sums stay in registers, each V row read once for a whole
+ * group: read again for every row, loading V rather than multiplying bounded the loop. */
+#define V_GROUP_ROWS(nv) ((nv) == 4 ? 4 : 2) /* group * nv sums + nv V rows fit in 32 registers */
+static inline __attribute__((always_inline)) void add_weighted_v_group(
+    float *acc, const float *corr, const float *w, int64_t w_row, int64_t w_key, const void *v, const int v_bf16,
+    int t0, int t1, const int nq, const int nv, const int scaled, float vs) {
+    const int d = 16 * nv;
+    v16f o[4][8];
+    for (int j = 0; j < nq; j++)
+        for (int c = 0; c < nv; c++) {
+            o[j][c] = load16(acc + (size_t)j * d + 16 * c);
+            if (corr != NULL) o[j][c] *= corr[j];
+        }
+    for (int t = t0; t < t1; t++) {
+        v16f vt[8];
+        for (int c = 0; c < nv; c++)
+            vt[c] = v_bf16 ? widen16((const uint16_t *)v + t * d + 16 * c) : load16((const float *)v + t * d + 16 * c);
+        for (int j = 0; j < nq; j++) {
+            const float wt = scaled ? w[j * w_row + t * w_key] * vs : w[j * w_row + t * w_key];
+            for (int c = 0; c < nv; c++) o[j][c] += wt * vt[c];
+        }
+    }
+    for (int j = 0; j < nq; j++)
+        for (int c = 0; c < nv; c++) store16(acc + (size_t)j * d + 16 * c, o[j][c]);
+}
+
+static inline __attribute__((always_inline)) void add_weighted_v(
+    float *acc, const float *corr, const float *w, int64_t w_row, int64_t w_key, const void *v, const int v_bf16,
+    int t0, int t1, int n, const int nv, const int scaled, float vs) {
+    for (int j = 0; j < n;) {
+        const int nq = n - j < V_GROUP_ROWS(nv) ? n - j : V_GROUP_ROWS(nv);
+        float *a = acc + (size_t)j * 16 * nv;
+        const float *cj = corr == NULL ? NULL : corr + j, *wj = w + j * w_row;
+#define GROUP(NQ) add_weighted_v_group(a, cj, wj, w_row, w_key, v, v_bf16, t0, t1, NQ, nv, scaled, vs)
+        if (nq == 1) GROUP(1); /* a constant group size per call: the sums stay in registers */
+        else if (nq == 2) GROUP(2);
+        else if (nq == 3) GROUP(3);
+        else GROUP(4);
+#undef GROUP
+        j += nq;
+    }
+}
+
 /* One block of one head as floats: the cache itself when float32; a bfloat16 or int8 block
  * widened into `buf` (once, then read by every query of the head; an int8 block's scale is applied
  * by the caller). */
