@@ -172,7 +172,10 @@ def run_roof(a) -> dict:
     weights = [[torch.randn(n, k, generator=g).to(dtype) for n, k in layer_shapes] for _ in range(L)]
     head = torch.randn(v, h, generator=g).to(dtype)
     # Both kernels the engine may use: F.linear (BLAS) and oneDNN on prepacked weights.
-    from sluice.engine.model import linear, pack_linear_weight
+    from sluice.engine.weights import pack_linear_weight, packed_linear
+
+    def linear(x, w):
+        return packed_linear(x, w) if w.is_mkldnn else torch.nn.functional.linear(x, w)
 
     kernels = {"F.linear": (weights, head)}
     packed_head = pack_linear_weight(head)

@@ -1027,7 +1027,7 @@ def random_loaded_model(config, device: torch.device, dtype: torch.dtype, seed: 
     """A LoadedModel of random HF-named tensors made directly on the device (same seed: same
     weights), std 0.02 for matrices, ~1 for norm weights."""
     from sluice.engine.loader import LoadedModel
-    from sluice.engine.model import expected_shapes
+    from sluice.engine.loader.tensor_names import expected_shapes
 
     g = torch.Generator(device=device)
     g.manual_seed(seed)
@@ -1056,7 +1056,7 @@ def bytes_read_per_step(model, batch: int) -> dict:
         seen.add(key)
         if "rotary" in name or "inv_freq" in name or "cos" in name or "sin" in name:
             continue
-        if name in ("embed_weight", "embed_q", "embed_scale"):
+        if name.startswith("embed_tokens."):
             embed += nbytes
             continue
         total += nbytes

@@ -1,4 +1,4 @@
-"""Paged attention over a flat batch: metadata, KV-cache writes, and the torch implementation.
+"""Paged attention over a flat batch on the torch path: KV-cache writes and attention.
 
 One forward step carries the new tokens of many sequences back to back (decodes and prefill
 chunks mixed). Each layer writes its new K/V into the paged cache through `slot_mapping`, then
@@ -7,7 +7,8 @@ every new token attends to its sequence's whole context, read back through the b
 The cache of one layer is [num_blocks, Hkv, block_size, D] (`kv_cache_shape`): head-major inside a
 block, so block b of head h is one contiguous [block_size, D] matrix.
 
-The torch path plans once per step (`TorchPlan`, cached on the metadata and shared by all layers).
+The torch path plans once per step (`plan_torch_attention`, a `TorchAttentionPlan` the model
+runner puts in the step's `StepPlan`, shared by all layers).
 Decodes (one new token) attend block by block, reading K/V in place: each cache block in use gets
 its owner's query, one batched matmul over a run of consecutive cache blocks gives every block's
 scores, the scores are softmaxed per sequence, and a second batched matmul over the same blocks
@@ -19,87 +20,13 @@ own K/V, when the chunk is the start of its sequence), so no query is ever padde
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token of the flat batch
-    query_start_loc: torch.Tensor  # [B+1] offsets of each seq's new tokens in the flat batch
-    seq_lens: torch.Tensor  # [B] context length after this step (computed + new)
-    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
-    max_seq_len: int
-    # Optional helpers. Host (numpy) copies let the torch path plan without device syncs.
-    positions: torch.Tensor | None = None  # [T] position of each new token in its sequence
-    query_lens_host: np.ndarray | None = None
-    seq_lens_host: np.ndarray | None = None
-    block_tables_host: np.ndarray | None = None
-    slot_mapping_host: np.ndarray | None = None
-    block_size: int | None = None
-    sliding_window: int | None = None
-    torch_plan: "TorchPlan | None" = field(default=None, repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def host(self, name: str) -> np.ndarray:
-        """The host copy of `seq_lens`, `block_tables` or `slot_mapping` (read back if missing)."""
-        copy = getattr(self, name + "_host")
-        return copy if copy is not None else getattr(self, name).cpu().numpy()
-
-    def query_lens(self) -> np.ndarray:
-        """New tokens of each sequence in this step, on the host."""
-        if self.query_lens_host is not None:
-            return self.query_lens_host
-        return np.diff(self.query_start_loc.cpu().numpy())
-
-
-def build_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-    sliding_window: int | None = None,
-) -> AttentionMetadata:
-    """Metadata for a flat batch: seq b adds query_lens[b] tokens ending at position seq_lens[b]-1.
-
-    Index arithmetic runs in numpy on the host (tiny arrays; torch's per-op overhead and its slow
-    1-D advanced indexing cost more here), then moves to `device` once."""
-    b = len(query_lens)
-    qlens = np.asarray(query_lens, dtype=np.int64).reshape(b)
-    slens = np.asarray(seq_lens, dtype=np.int64).reshape(b)
-    bt = np.zeros((b, max((len(t) for t in block_tables), default=0) or 1), dtype=np.int64)
-    for i, t in enumerate(block_tables):
-        bt[i, : len(t)] = t
-    qsl = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(qlens, out=qsl[1:])
-    seq_of_tok = np.repeat(np.arange(b), qlens)
-    pos = np.arange(qsl[-1]) - qsl[:-1][seq_of_tok] + (slens - qlens)[seq_of_tok]
-    slots = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
-
-    def dev(a):
-        return torch.from_numpy(a).to(device)
-
-    return AttentionMetadata(
-        slot_mapping=dev(slots),
-        query_start_loc=dev(qsl),
-        seq_lens=dev(slens),
-        block_tables=dev(bt),
-        max_seq_len=int(slens.max()) if b else 0,
-        positions=dev(pos),
-        query_lens_host=qlens,
-        seq_lens_host=slens,
-        block_tables_host=bt,
-        slot_mapping_host=slots,
-        block_size=block_size,
-        sliding_window=sliding_window,
-    )
+from .step_plan import StepPlan
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -113,14 +40,14 @@ def _write_rows(slots: np.ndarray, block_size: int, num_kv_heads: int) -> np.nda
     return (((slots // block_size)[:, None] * num_kv_heads + heads) * block_size + (slots % block_size)[:, None]).reshape(-1)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-    """k, v [T, Hkv, D] -> the cache slots of `meta.slot_mapping` (cache as in `kv_cache_shape`)."""
-    _, hkv, bs, d = k_cache.shape
-    plan = plan_torch(meta, hkv)
-    rows = plan.write_rows
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             plan: StepPlan) -> None:
+    """k, v [T, Hkv, D] -> the cache slots of the step (cache as in `kv_cache_shape`), through the
+    rows `plan.torch_attention.write_rows`."""
+    d = k_cache.shape[-1]
+    rows = _torch_plan(plan).write_rows
     if rows is None:
-        slots = meta.host("slot_mapping")
-        rows = plan.write_rows = torch.from_numpy(_write_rows(slots, bs, hkv)).to(k_cache.device)
+        raise ValueError("the step was planned without the torch path's KV write rows")
     k_cache.view(-1, d).index_copy_(0, rows, k.reshape(-1, d).to(k_cache.dtype))
     v_cache.view(-1, d).index_copy_(0, rows, v.reshape(-1, d).to(v_cache.dtype))
 
@@ -155,16 +82,20 @@ class _Decodes:
     #                     an extra row of zeros)
     row_grid: torch.Tensor  # [rows] inverse: grid position of each row (gaps -> 0)
     max_blocks: int
-    mask: np.ndarray  # [n, 1, 1, maxblk * bs] additive 0 / -inf, float32
-    masks: dict = field(default_factory=dict)  # device copy of `mask`
+    mask: torch.Tensor  # [n, 1, 1, maxblk * bs] additive 0 / -inf, float32
 
 
 @dataclass
-class TorchPlan:
-    decodes: _Decodes | None
+class TorchAttentionPlan:
+    decodes: _Decodes | None  # None: no decodes, or a decode kernel reads the cache itself
     prefills: list[_Prefill]
-    write_rows: torch.Tensor | None = None  # [T * Hkv] cache rows written by write_kv
-    planned_decodes: bool = True  # False: `decodes` was not planned (None even if there are some)
+    write_rows: torch.Tensor | None  # [T * Hkv] cache rows written by write_kv (None: not planned)
+
+
+def _torch_plan(plan: StepPlan) -> TorchAttentionPlan:
+    if plan.torch_attention is None:
+        raise ValueError("the step was planned without the torch attention path (KernelOps.plan)")
+    return plan.torch_attention
 
 
 def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.ndarray, bs: int, win: int | None, dev) -> _Decodes:
@@ -211,29 +142,26 @@ def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.nd
     return _Decodes(
         tokens=dev(qsl[dec]), runs=runs, dup_blocks=dev(pair_blk[dups]) if len(dups) else None,
         dup_start=dup_start, num_rows=row, q_owner=dev(cat(q_owner)),
-        grid=dev(grid), row_grid=dev(cat(row_grid)), max_blocks=maxblk, mask=mask,
+        grid=dev(grid), row_grid=dev(cat(row_grid)), max_blocks=maxblk, mask=dev(mask),
     )
 
 
-def plan_torch(meta: AttentionMetadata, num_kv_heads: int, with_decodes: bool = True) -> TorchPlan:
-    """Indices and masks for this step, built once on the host and cached on `meta`.
+def plan_torch_attention(plan: StepPlan, num_kv_heads: int, *, decodes: bool = True,
+                         write_rows: bool = True) -> TorchAttentionPlan:
+    """Indices and masks of the torch path for this step, built on the host.
 
-    with_decodes=False skips planning the decodes (a decode kernel reads the cache itself)."""
-    cached = meta.torch_plan
-    if cached is not None and (cached.planned_decodes or not with_decodes):
-        return cached
-    bs, win = meta.block_size, meta.sliding_window
-    if bs is None:
-        raise ValueError("AttentionMetadata.block_size is needed by the torch attention path")
-    slens, bt, qlens = meta.host("seq_lens"), meta.host("block_tables"), meta.query_lens()
-    qsl = np.concatenate([[0], np.cumsum(qlens)])
-    device = meta.block_tables.device
+    decodes=False skips planning the decodes (a decode kernel reads the cache itself);
+    write_rows=False skips the rows of `write_kv` (a kernel writes the cache)."""
+    bs, win = plan.block_size, plan.sliding_window
+    slens, bt, qlens = plan.seq_lens_host, plan.block_tables_host, plan.query_lens_host
+    qsl = plan.query_starts_host()
+    device = plan.block_tables.device
 
     def dev(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
     dec = np.flatnonzero(qlens == 1)
-    decodes = _plan_decodes(dec, slens, qsl, bt, bs, win, dev) if len(dec) and with_decodes else None
+    planned = _plan_decodes(dec, slens, qsl, bt, bs, win, dev) if len(dec) and decodes else None
 
     prefills = []
     heads = np.arange(num_kv_heads)[:, None]
@@ -251,8 +179,8 @@ def plan_torch(meta: AttentionMetadata, num_kv_heads: int, with_decodes: bool = 
             mask = dev(mask)
         blocks = dev((bt[b, : -(-length // bs)][None, :] * num_kv_heads + heads).reshape(-1))
         prefills.append(_Prefill(start, start + q, blocks, length, mask, ctx == 0))
-    meta.torch_plan = TorchPlan(decodes, prefills, planned_decodes=with_decodes)
-    return meta.torch_plan
+    rows = dev(_write_rows(plan.slot_mapping_host, bs, num_kv_heads)) if write_rows else None
+    return TorchAttentionPlan(planned, prefills, rows)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Decodes, scale: float) -> torch.Tensor:
@@ -282,10 +210,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # per sequence: [n, Hkv, G, maxblk * bs], softmax in float32
     s = scores.index_select(0, p.grid).view(n, p.max_blocks, hkv, g, bs).permute(0, 2, 3, 1, 4)
     s = s.reshape(n, hkv, g, p.max_blocks * bs).float()
-    mask = p.masks.get(q.device)
-    if mask is None:
-        mask = p.masks[q.device] = torch.from_numpy(p.mask).to(q.device)
-    probs = torch.softmax(s.add_(mask), dim=-1).to(dtype)
+    probs = torch.softmax(s.add_(p.mask), dim=-1).to(dtype)
     probs = probs.view(n, hkv, g, p.max_blocks, bs).permute(0, 3, 1, 2, 4).reshape(n * p.max_blocks, hkv, g, bs)
     partial = per_block(probs.index_select(0, p.row_grid), v_cache, v_dup, transpose=False)  # [rows, Hkv, G, D]
     # Each sequence's blocks side by side, padding reading the zero row, summed. (Not index_add_
@@ -297,7 +222,7 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float,
     k: torch.Tensor | None = None, v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; token i of seq b attends to its context positions <= its own.
@@ -306,22 +231,22 @@ def paged_attention(
     they spare reading back a prefill chunk that starts its sequence."""
     t, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
-    plan = plan_torch(meta, hkv)
+    torch_plan = _torch_plan(plan)
     group = hq // hkv
     out = torch.empty_like(q)
 
-    if plan.decodes is not None:
-        p = plan.decodes
+    if torch_plan.decodes is not None:
+        p = torch_plan.decodes
         # GQA without repeating K/V: the `group` query heads sharing a KV head become its queries
         qd = q.index_select(0, p.tokens).view(-1, hkv, group, d)
         o = _decode_attention(qd, k_cache, v_cache, p, scale)
         out.index_copy_(0, p.tokens, o.view(-1, hq, d))
 
-    _prefill_attention(q, k_cache, v_cache, plan.prefills, out, scale, k, v)
+    prefill_attention(q, k_cache, v_cache, torch_plan.prefills, out, scale, k, v)
     return out
 
 
-def _prefill_attention(q, k_cache, v_cache, prefills: list[_Prefill], out, scale: float, k=None, v=None) -> None:
+def prefill_attention(q, k_cache, v_cache, prefills: list[_Prefill], out, scale: float, k=None, v=None) -> None:
     """Each prefill chunk through SDPA, into `out` (its own K/V when it starts its sequence)."""
     t, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape

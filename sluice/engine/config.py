@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import EngineError
+from .errors import ConfigError, ModelError
 
 # HF `architectures` entry -> our family name. Mistral and Llama share one implementation.
 HF_ARCHITECTURES = {
@@ -15,8 +15,8 @@ HF_ARCHITECTURES = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
-def _error(message: str, field: str) -> EngineError:
-    return EngineError(message, field=field)
+def _error(message: str, field: str) -> ModelError:
+    return ModelError(message, field=field)
 
 
 @dataclass(frozen=True)
@@ -172,12 +172,12 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
-            raise EngineError(
+            raise ConfigError(
                 f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATIONS)}",
                 field="quantization",
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise EngineError(
+            raise ConfigError(
                 f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}",
                 field="kv_cache_dtype",
             )
@@ -195,9 +195,16 @@ class EngineConfig:
 
     @property
     def torch_dtype(self):
-        import torch
+        return torch_dtype(self.dtype)
 
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.dtype not in dtypes:
-            raise EngineError(f"unsupported dtype {self.dtype!r}; choose one of {sorted(dtypes)}", field="dtype")
-        return dtypes[self.dtype]
+
+def torch_dtype(dtype):
+    """The torch dtype named "float32", "bfloat16" or "float16" (a torch dtype is returned as is)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {sorted(dtypes)}", field="dtype")
+    return dtypes[dtype]

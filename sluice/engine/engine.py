@@ -24,17 +24,15 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from sluice.engine.config import EngineConfig, ModelConfig
-from sluice.engine.cpu_kernels import cpu_multiplies_bfloat16
 from sluice.engine.detokenizer import IncrementalDetokenizer
-from sluice.engine.errors import EngineError
-from sluice.engine.loader import LoadedModel, load_model
-from sluice.engine.model import CausalLM
-from sluice.engine.kernels import resolve_backend
+from sluice.engine.errors import EngineError, check_prompt_fits
+from sluice.engine.kernel_ops import resolve_kernel_ops
+from sluice.engine.loader import LoadedModel, build_model, load_model
 from sluice.engine.memory import memory_report
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timings, Usage
@@ -48,37 +46,21 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Sample:
-    index: int
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
-    generator: torch.Generator | None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    text: str = ""
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+class Request:
+    """One request in the engine: its prompt and parameters, and the sequences of its n samples
+    (one at first; the others fork from it after the prompt's first sampling step)."""
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    samples: list[_Sample]
+    seqs: list[Sequence]
     first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(s.finished for s in self.samples)
+        return len(self.seqs) == self.params.n and all(s.finish_reason is not None for s in self.seqs)
 
 
 class LLMEngine:
@@ -99,43 +81,51 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        self.kernels = resolve_backend(self.config.kernels, torch.device(self.config.device).type)
-        model_obj = CausalLM.from_state_dict(
-            self.model_config, self.loaded.tensors, dtype=self.config.torch_dtype,
-            device=self.config.device, source=self.loaded.source, quantization=self.config.quantization,
+        self.ops = resolve_kernel_ops(self.config.kernels, torch.device(self.config.device).type)
+        model_obj = build_model(
+            self.model_config, self.loaded.tensors, self.config.torch_dtype, self.config.device,
+            quantization=self.config.quantization, ops=self.ops, source=self.loaded.source,
         )
-        model_obj.use_kernels(self.kernels)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         num_blocks = num_kv_blocks(self.model_config, self.config)
         self.runner = ModelRunner(model_obj, self.model_config, self.config, num_blocks)
         self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
-        self.sampler = Sampler(kernels=self.kernels)
+        self.sampler = Sampler(self.ops)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []  # finals of aborted requests, returned by the next step
         self._ids = itertools.count()
         self.memory = memory_report(self.model_config, self.config, model_obj, self.runner)
-        m = self.memory
+        self._log_ready(time.monotonic() - started, num_blocks)
+
+    @property
+    def kernels(self) -> str:
+        """The kernel family the model runs on ("torch", "native", "triton")."""
+        return self.ops.name
+
+    def _log_ready(self, seconds: float, num_blocks: int) -> None:
+        c, m = self.config, self.memory
         log.info(
             "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s, kernels %s; "
             "weights %.0f MiB (%s; %.0f MiB as plain %s tensors); KV cache %d blocks x %d tokens "
-            "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); max_model_len %d; "
-            "max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
-            time.monotonic() - started, self.model_id, self.model_config.architecture,
-            self.model_config.num_hidden_layers, self.config.dtype, self.config.device, self.kernels,
-            m.weight_bytes / 2**20, self.config.quantization or "unquantized", m.weight_bytes_unquantized / 2**20,
-            self.config.dtype,
-            num_blocks, self.config.block_size, m.kv_cache_bytes / 2**20, m.kv_dtype, m.kv_tokens,
-            m.kv_tokens_gain, self.config.dtype, self.max_model_len,
-            self.config.max_num_batched_tokens, self.config.max_num_seqs,
-            "on" if self.config.enable_prefix_caching else "off",
+            "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); "
+            "max_model_len %d; max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
+            seconds, self.model_id, self.model_config.architecture,
+            self.model_config.num_hidden_layers, c.dtype, c.device, self.kernels,
+            m.weight_bytes / 2**20, c.quantization or "unquantized",
+            m.weight_bytes_unquantized / 2**20, c.dtype,
+            num_blocks, c.block_size, m.kv_cache_bytes / 2**20, m.kv_dtype, m.kv_tokens,
+            m.kv_tokens_gain, c.dtype, self.max_model_len,
+            c.max_num_batched_tokens, c.max_num_seqs,
+            "on" if c.enable_prefix_caching else "off",
         )
-        if self.config.dtype == "float32" and self.kernels == "native" and cpu_multiplies_bfloat16():
-            log.info("this CPU multiplies bfloat16 natively: --dtype bfloat16 (EngineConfig(dtype='bfloat16')) is "
-                     "much faster (~1.7x in docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision")
+        if c.dtype == "float32" and self.ops.suggests_bfloat16():
+            log.info("this CPU multiplies bfloat16 natively: --dtype bfloat16 "
+                     "(EngineConfig(dtype='bfloat16')) is much faster (~1.7x in "
+                     "docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision")
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -159,6 +149,19 @@ class LLMEngine:
             raise EngineError(f"request id {request_id!r} is already in use", field="request_id")
         params = params or SamplingParams()
         params.validate()
+        prompt, ids = self._prompt_ids(prompt, prompt_token_ids, messages)
+        check_prompt_fits(len(ids), self.max_model_len)
+        now = time.monotonic()
+        seq = self._new_sequence(Sequence(request_id, ids, max_tokens=params.max_tokens,
+                                          priority=priority, arrival_time=now,
+                                          cache_salt=cache_salt), params)
+        self.scheduler.add(seq)  # raises if it could never fit in the KV cache
+        self._requests[request_id] = Request(request_id, prompt, ids, params, now, [seq])
+        return request_id
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: Seq[int] | None,
+                    messages: Seq[dict] | None) -> tuple[str | None, list[int]]:
+        """The prompt's text (when it has one) and token ids, checked against the model."""
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise EngineError("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
@@ -168,57 +171,42 @@ class LLMEngine:
             if bad:
                 raise EngineError(f"token id {bad[0]} is outside the vocabulary "
                                   f"(size {self.model_config.vocab_size})", field="prompt_token_ids")
+        elif self.tokenizer is None:
+            raise EngineError("this model has no tokenizer: pass prompt_token_ids", field="prompt")
+        elif messages is not None:
+            if not messages:
+                raise EngineError("no messages", field="messages")
+            prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
-            if self.tokenizer is None:
-                raise EngineError("this model has no tokenizer: pass prompt_token_ids", field="prompt")
-            if messages is not None:
-                if not messages:
-                    raise EngineError("no messages", field="messages")
-                prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-                ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            else:
-                if not isinstance(prompt, str) or not prompt:
-                    raise EngineError("the prompt is empty", field="prompt")
-                ids = self.tokenizer.encode(prompt)
+            if not isinstance(prompt, str) or not prompt:
+                raise EngineError("the prompt is empty", field="prompt")
+            ids = self.tokenizer.encode(prompt)
         if not ids:
             raise EngineError("the prompt has no tokens", field="prompt")
-        if len(ids) >= self.max_model_len:
-            raise EngineError(
-                f"the prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
-                "and at least one must be left to generate",
-                field="prompt",
-            )
-        now = time.monotonic()
-        seq = Sequence(request_id, ids, max_tokens=params.max_tokens, priority=priority,
-                       arrival_time=now, cache_salt=cache_salt, sampling_params=params)
-        self.scheduler.add(seq)  # raises if it could never fit in the KV cache
-        request = _Request(request_id, prompt, ids, params, now, [self._new_sample(0, seq, params)])
-        self._requests[request_id] = request
-        return request_id
+        return prompt, ids
 
-    def _new_sample(self, index: int, seq: Sequence, params: SamplingParams) -> _Sample:
-        detok = None
+    def _new_sequence(self, seq: Sequence, params: SamplingParams) -> Sequence:
+        """Give a sequence its detokenizer and, for a seeded sampled request, its generator."""
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
-                                           skip_special_tokens=params.skip_special_tokens)
-        generator = None
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
+                                                     skip_special_tokens=params.skip_special_tokens)
         if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed((params.seed + index) % 2**64)
-        return _Sample(index, seq, detok, generator)
+            seq.generator = torch.Generator(device=self.runner.device)
+            seq.generator.manual_seed((params.seed + seq.index) % 2**64)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; the next step() returns its final outputs."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.abort(request_id)
+        unfinished = [s for s in request.seqs if s.finish_reason is None]
+        self.scheduler.abort(request_id)  # marks them "abort"
         now = time.monotonic()
-        for sample in request.samples:
-            if not sample.finished:
-                sample.finish_reason = "abort"
-                sample.finished_time = now
-                self._pending.append(self._final_output(request, sample, [], ""))
+        for seq in unfinished:
+            seq.finish_reason, seq.finished_time = "abort", now
+            self._pending.append(self._final_output(request, seq, [], ""))
         return True
 
     def has_request(self, request_id: str) -> bool:
@@ -251,19 +239,18 @@ class LLMEngine:
                 request.first_scheduled_time = now
         logits = self.runner.execute(batch)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
-        samples = [self._sample_of(seq) for seq in sampled]
         params = [self._requests[seq.request_id].params for seq in sampled]
-        result = self.sampler(logits, sampled, params, [s.generator for s in samples])
+        result = self.sampler(logits, sampled, params, [seq.generator for seq in sampled])
         for seq, token in zip(sampled, result.token_ids):
             seq.append_token(token)
         self.scheduler.on_step_done(batch)
 
         now = time.monotonic()
-        forks: list[tuple[_Request, int]] = []
-        for row, (seq, sample, token, lp) in enumerate(zip(sampled, samples, result.token_ids, result.logprobs)):
+        forks: list[tuple[Request, int]] = []
+        for row, (seq, token, lp) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
             request = self._requests[seq.request_id]
-            outputs.append(self._advance(request, sample, token, lp, now))
-            if request.params.n > 1 and len(request.samples) == 1:
+            outputs.append(self._advance(request, seq, token, lp, now))
+            if request.params.n > 1 and len(request.seqs) == 1:
                 forks.append((request, row))
         for request, row in forks:
             outputs += self._fork_samples(request, logits[row : row + 1], now)
@@ -271,89 +258,89 @@ class LLMEngine:
             del self._requests[request_id]
         return outputs
 
-    def _sample_of(self, seq: Sequence) -> _Sample:
-        request = self._requests[seq.request_id]
-        for sample in request.samples:
-            if sample.seq is seq:
-                return sample
-        raise RuntimeError(f"sequence {seq!r} does not belong to its request")
-
-    def _advance(self, request: _Request, sample: _Sample, token: int,
-                 logprobs: TokenLogprobs | None, now: float) -> StepOutput:
-        """Account for one new token of a sample: text, stop checks, finishing."""
-        params, seq = request.params, sample.seq
-        if sample.first_token_time is None:
-            sample.first_token_time = now
-        sample.last_token_time = now
-        if logprobs is not None:
-            sample.logprobs.append(logprobs)
-        delta, reason, stop_reason = "", None, None
+    def _finish_reason(self, seq: Sequence, token: int,
+                       params: SamplingParams) -> tuple[str | None, str | int | None, str]:
+        """The one place a completion's end is decided, after its new token: (finish reason or
+        None, stop reason, the token's text delta)."""
         if not params.ignore_eos and token in self.eos_token_ids:
-            reason, stop_reason = "stop", token
-        elif token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif sample.detokenizer is not None:
-            delta, hit = sample.detokenizer.add([token])
+            return "stop", token, ""
+        if token in params.stop_token_ids:
+            return "stop", token, ""
+        delta = ""
+        if seq.detokenizer is not None:
+            delta, hit = seq.detokenizer.add([token])
             if hit:
-                reason, stop_reason = "stop", sample.detokenizer.stop_string
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+                return "stop", seq.detokenizer.stop_string, delta
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None, delta
+        return None, None, delta
+
+    def _advance(self, request: Request, seq: Sequence, token: int,
+                 logprobs: TokenLogprobs | None, now: float) -> StepOutput:
+        """Account for one new token of a sequence: text, stop checks, finishing."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        reason, stop_reason, delta = self._finish_reason(seq, token, request.params)
         if reason is None:
-            sample.text += delta
-            return StepOutput(request.request_id, sample.index, [token], delta,
+            seq.text += delta
+            return StepOutput(request.request_id, seq.index, [token], delta,
                               logprobs=[logprobs] if logprobs else [])
-        if sample.detokenizer is not None and not sample.detokenizer.stopped:
-            delta += sample.detokenizer.flush()  # held-back text that turned out not to be a stop
-        sample.finish_reason, sample.stop_reason, sample.finished_time = reason, stop_reason, now
+        if seq.detokenizer is not None and not seq.detokenizer.stopped:
+            delta += seq.detokenizer.flush()  # held-back text that turned out not to be a stop
+        seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
         self.scheduler.finish(seq)
-        return self._final_output(request, sample, [token], delta, [logprobs] if logprobs else [])
+        return self._final_output(request, seq, [token], delta, [logprobs] if logprobs else [])
 
-    def _final_output(self, request: _Request, sample: _Sample, tokens: list[int], delta: str,
+    def _final_output(self, request: Request, seq: Sequence, tokens: list[int], delta: str,
                       logprobs: list[TokenLogprobs] | None = None) -> StepOutput:
-        sample.text += delta
-        return StepOutput(request.request_id, sample.index, tokens, delta, finished=True,
-                          finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-                          logprobs=logprobs or [], usage=self._usage(request, sample),
-                          timings=self._timings(request, sample))
+        seq.text += delta
+        return StepOutput(request.request_id, seq.index, tokens, delta, finished=True,
+                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                          logprobs=logprobs or [], usage=self._usage(request),
+                          timings=self._timings(request, seq))
 
-    def _fork_samples(self, request: _Request, logits_row: torch.Tensor, now: float) -> list[StepOutput]:
+    def _fork_samples(self, request: Request, logits_row: torch.Tensor, now: float) -> list[StepOutput]:
         """n > 1: after the prompt's first sampling step, the other samples branch off it.
 
         They share the prompt's KV blocks; each draws its own first token from the same logits.
         """
-        parent = request.samples[0].seq
+        parent = request.seqs[0]
         outputs = []
         for index in range(1, request.params.n):
-            child_seq = parent.fork(request.request_id, num_tokens=parent.num_prompt_tokens)
-            sample = self._new_sample(index, child_seq, request.params)
-            drawn = self.sampler(logits_row, [child_seq], [request.params], [sample.generator])
+            child = self._new_sequence(
+                parent.fork(request.request_id, num_tokens=parent.num_prompt_tokens, index=index),
+                request.params)
+            drawn = self.sampler(logits_row, [child], [request.params], [child.generator])
             token = drawn.token_ids[0]
-            child_seq.append_token(token)
-            request.samples.append(sample)
-            out = self._advance(request, sample, token, drawn.logprobs[0], now)
-            if not sample.finished:
-                self.scheduler.fork(parent, child_seq)
+            child.append_token(token)
+            request.seqs.append(child)
+            out = self._advance(request, child, token, drawn.logprobs[0], now)
+            if child.finish_reason is None:
+                self.scheduler.fork(parent, child)
             outputs.append(out)
         return outputs
 
-    def _usage(self, request: _Request, sample: _Sample) -> Usage:
-        completion = sum(s.seq.num_output_tokens for s in request.samples)
+    def _usage(self, request: Request) -> Usage:
+        completion = sum(s.num_output_tokens for s in request.seqs)
         return Usage(prompt_tokens=len(request.prompt_token_ids),
-                     cached_tokens=request.samples[0].seq.num_cached_tokens,
+                     cached_tokens=request.seqs[0].num_cached_tokens,
                      completion_tokens=completion)
 
-    def _timings(self, request: _Request, sample: _Sample) -> Timings:
+    def _timings(self, request: Request, seq: Sequence) -> Timings:
         def since(t: float | None, start: float | None) -> float | None:
             return None if t is None or start is None else t - start
 
-        n = sample.seq.num_output_tokens
+        n = seq.num_output_tokens
         tpot = None
-        if n > 1 and sample.first_token_time is not None and sample.last_token_time is not None:
-            tpot = (sample.last_token_time - sample.first_token_time) / (n - 1)
+        if n > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
+            tpot = (seq.last_token_time - seq.first_token_time) / (n - 1)
         return Timings(queue_s=since(request.first_scheduled_time, request.arrival_time),
-                       ttft_s=since(sample.first_token_time, request.arrival_time),
+                       ttft_s=since(seq.first_token_time, request.arrival_time),
                        tpot_s=tpot,
-                       total_s=since(sample.finished_time, request.arrival_time))
+                       total_s=since(seq.finished_time, request.arrival_time))
 
     # -- blocking convenience ------------------------------------------------------------------
 
@@ -391,12 +378,12 @@ class LLMEngine:
             self.step()
         return [self._result(requests[rid]) for rid in ids]
 
-    def _result(self, request: _Request) -> GenerateResult:
+    def _result(self, request: Request) -> GenerateResult:
         samples = [
-            SampleResult(index=s.index, token_ids=s.seq.output_token_ids, text=s.text,
+            SampleResult(index=s.index, token_ids=s.output_token_ids, text=s.text,
                          finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                          logprobs=s.logprobs, timings=self._timings(request, s))
-            for s in sorted(request.samples, key=lambda s: s.index)
+            for s in sorted(request.seqs, key=lambda s: s.index)
         ]
         return GenerateResult(request.request_id, request.prompt, request.prompt_token_ids,
-                              samples, self._usage(request, request.samples[0]))
+                              samples, self._usage(request))

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import EngineConfig, ModelConfig
-from .model import expected_shapes
+from .loader.tensor_names import expected_shapes
 from .paged_cache import bytes_per_block
 
 
@@ -36,6 +36,20 @@ class MemoryReport:
         return {**asdict(self), "weight_shrink": self.weight_shrink, "kv_tokens_gain": self.kv_tokens_gain}
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all weights as held (a tensor shared by two modules counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:  # oneDNN's packed layout has no storage to share
+            total += t.numel() * t.element_size()
+            continue
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
 def memory_report(model_config: ModelConfig, engine_config: EngineConfig, model, runner) -> MemoryReport:
     c, e = model_config, engine_config
     element = torch.empty(0, dtype=e.torch_dtype).element_size()
@@ -43,7 +57,7 @@ def memory_report(model_config: ModelConfig, engine_config: EngineConfig, model,
     kv_bytes = sum(cache.nbytes for cache in runner.kv_caches)
     plain_block = bytes_per_block(c, e.block_size, e.torch_dtype)
     return MemoryReport(
-        weight_bytes=model.weight_bytes(),
+        weight_bytes=weight_bytes(model),
         weight_bytes_unquantized=unquantized,
         kv_cache_bytes=kv_bytes,
         kv_dtype=str(e.kv_torch_dtype).removeprefix("torch."),

@@ -1,4 +1,5 @@
-"""Turns a ScheduledBatch into tensors, runs one forward over the flat batch, returns logits.
+"""Turns a ScheduledBatch into a step plan and tensors, runs one forward over the flat batch,
+returns logits.
 
 It owns the paged KV cache: per layer a `LayerKVCache`, K and V of [num_blocks, Hkv, block_size, D]
 (`attention.kv_cache_shape`) in the model dtype, or quantized with per-block-and-head scales.
@@ -10,11 +11,12 @@ import os
 
 import torch
 
-from .attention import build_metadata, kv_cache_shape
+from .attention import kv_cache_shape
 from .config import EngineConfig, ModelConfig
-from .errors import EngineError
+from .errors import ConfigError
 from .model import CausalLM
 from .paged_cache import LayerKVCache, bytes_per_block
+from .step_plan import AttentionSpec, StepPlan, build_step_plan
 
 # CPU default KV budget when EngineConfig.kv_cache_bytes is None: a fifth of the memory the OS
 # reports available, kept between 256 MiB and 4 GiB (SmolLM2 in float32 needs 45 KiB per token,
@@ -57,7 +59,7 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int
     max_len = engine_config.max_model_len or model_config.max_position_embeddings
     n = min(n, engine_config.max_num_seqs * math.ceil(max_len / engine_config.block_size))
     if n < 1:
-        raise EngineError(
+        raise ConfigError(
             f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes)",
             field="kv_cache_bytes",
         )
@@ -75,8 +77,11 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
         kv_dtype = engine_config.kv_torch_dtype
         if kv_dtype == torch.float8_e4m3fn and self.device.type != "cuda":
-            raise EngineError("kv_cache_dtype='fp8' needs a CUDA device; use 'int8' on the CPU", field="kv_cache_dtype")
-        self.kv_caches = [LayerKVCache.allocate(shape, kv_dtype, self.device) for _ in range(config.num_hidden_layers)]
+            raise ConfigError("kv_cache_dtype='fp8' needs a CUDA device; use 'int8' on the CPU",
+                              field="kv_cache_dtype")
+        self.kv_caches = [LayerKVCache.allocate(shape, kv_dtype, self.device)
+                          for _ in range(config.num_hidden_layers)]
+        self.attention = AttentionSpec.of(config, model.dtype, self.kv_caches[0])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy-on-write of a shared last block)."""
@@ -87,11 +92,17 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
+    def plan(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> StepPlan:
+        """The step's plan: its layout, and what the model's kernels precompute for it."""
+        layout = build_step_plan(query_lens, seq_lens, block_tables, self.block_size, self.device,
+                                 self.config.sliding_window)
+        return self.model.ops.plan(layout, self.attention)
+
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
         """Run the batch's new tokens (after its block copies); float32 logits [num sampled seqs, V],
         rows in the order of the seqs with sample=True."""
-        self.copy_blocks(getattr(batch, "block_copies", None) or [])
+        self.copy_blocks(batch.block_copies)
         ids: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -102,9 +113,9 @@ class ModelRunner:
             tables.append(seq.block_table[: -(-(start + n) // self.block_size)])
         if not ids:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        meta = build_metadata(query_lens, seq_lens, tables, self.block_size, self.device, self.config.sliding_window)
+        plan = self.plan(query_lens, seq_lens, tables)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+        hidden = self.model(input_ids, plan, self.kv_caches)
 
         last, offset = [], 0
         for n, s in zip(query_lens, batch.sample):

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .config import ModelConfig
-from .errors import EngineError
+from .errors import ModelError
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def inv_freq_and_scale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: theta_i / factor_i
         factors = torch.tensor(s["factors"], dtype=torch.float32)
         return _base_inv_freq(theta, dim) / factors, 1.0
-    raise EngineError(f"unsupported rope type {kind!r}", field="rope_scaling")
+    raise ModelError(f"unsupported rope type {kind!r}", field="rope_scaling")
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -25,10 +25,14 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from sluice.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sluice.engine.kernel_ops import KernelOps
 
 # Top-p without top-k first looks at this many most likely tokens; rows whose nucleus is wider
 # (a flat distribution) are redone over the whole vocabulary.
@@ -50,11 +54,11 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, kernels: str = "torch"):
-        """kernels "triton": the draw (min-p, top-k, top-p, one token) runs in the sampling kernel,
-        each row's random numbers from a seed drawn from its generator; penalties, temperature,
-        greedy rows and logprobs stay here."""
-        self.kernels = kernels
+    def __init__(self, ops: KernelOps | None = None):
+        """ops: the kernel family whose `draw` picks the sampled rows' tokens (min-p, top-k, top-p,
+        one draw; default `draw_torch`); penalties, temperature, greedy rows and logprobs stay
+        here."""
+        self.ops = ops
 
     def __call__(
         self,
@@ -89,7 +93,7 @@ class Sampler:
             drawn = [i for i, p in enumerate(params) if p.temperature != 0]
             rows = _index(drawn, device)
             sub = x if len(drawn) == n else x[rows]
-            draw = _draw_kernel if self.kernels == "triton" else _draw
+            draw = self.ops.draw if self.ops is not None else draw_torch
             tokens[rows] = draw(sub, [params[i] for i in drawn], [generators[i] for i in drawn])
 
         logprobs: list[TokenLogprobs | None] = [None] * n
@@ -154,7 +158,7 @@ def _narrows(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1
 
 
-def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
+def draw_torch(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
     """One token per row from the truncated softmax of `logits` (not modified)."""
     device = logits.device
     u = _uniforms(generators, device)
@@ -170,29 +174,6 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Se
         sub = logits[rows] if len(wide) < len(params) else logits
         tokens[rows] = _inverse_cdf(_min_p(sub, [params[i] for i in wide]), u[rows])
     return tokens
-
-
-def _draw_kernel(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
-    """As `_draw`, through the Triton sampling kernel: one 62-bit seed per row from the row's own
-    generator (else the global one) keys the row's random stream."""
-    from sluice.engine.kernels.sampling import sample_triton
-
-    device = logits.device
-    seeds = torch.randint(0, 2**62, (len(params),), dtype=torch.int64, device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            seeds[i] = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device, generator=g)[0]
-    n = len(params)
-
-    def column(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device).reshape(n)
-
-    vocab = logits.shape[1]
-    return sample_triton(
-        logits.contiguous(), column([1.0] * n, torch.float32),  # already divided by the temperature
-        column([p.top_k if 0 < p.top_k < vocab else 0 for p in params], torch.int32),
-        column([p.top_p for p in params], torch.float32), column([p.min_p for p in params], torch.float32), seeds,
-    )
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sluice.engine.block_manager import BlockManager
-from sluice.engine.errors import EngineError
+from sluice.engine.errors import ConfigError, EngineError, ErrorCode
 from sluice.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -68,9 +68,9 @@ class BatchScheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int):
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             if getattr(config, name) < 1:
-                raise EngineError(f"must be >= 1, got {getattr(config, name)}", field=name)
+                raise ConfigError(f"must be >= 1, got {getattr(config, name)}", field=name)
         if max_model_len < 1:
-            raise EngineError(f"must be >= 1, got {max_model_len}", field="max_model_len")
+            raise ConfigError(f"must be >= 1, got {max_model_len}", field="max_model_len")
         self.config = config
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
@@ -88,16 +88,10 @@ class BatchScheduler:
         return max(seq.num_prompt_tokens, min(seq.max_len - 1, self.max_model_len))
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; raises EngineError if it could never run in this cache."""
-        if seq.num_prompt_tokens < 1:
-            raise EngineError("the prompt has no tokens", field="prompt")
-        if seq.num_prompt_tokens > self.max_model_len:
-            raise EngineError(
-                f"the prompt has {seq.num_prompt_tokens} tokens, more than max_model_len={self.max_model_len}",
-                field="prompt",
-            )
-        if seq.max_tokens < 1:
-            raise EngineError(f"must be >= 1, got {seq.max_tokens}", field="max_tokens")
+        """Queue a new sequence; raises EngineError if it could never run in this cache.
+
+        The request itself was checked by the engine (its parameters, its prompt against the
+        model); here only what the KV cache can hold."""
         bm = self.block_manager
         need = bm.blocks_for(self.max_kv_tokens(seq))
         if need > bm.num_usable_blocks:
@@ -105,7 +99,7 @@ class BatchScheduler:
             raise EngineError(
                 f"the request may need {self.max_kv_tokens(seq)} tokens of KV cache ({need} blocks of "
                 f"{bm.block_size}) but the cache holds only {bm.num_usable_blocks} blocks",
-                field=culprit,
+                field=culprit, code=ErrorCode.EXCEEDS_KV_CACHE,
             )
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_key)

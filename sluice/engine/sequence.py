@@ -4,6 +4,9 @@ A request is just `num_computed_tokens` catching up with `len(token_ids)`: a pre
 computes many tokens of a sequence, a decode one that computes the single token sampled last step.
 After a preemption `num_computed_tokens` drops to 0 and the same mechanism recomputes prompt and
 output alike. A request with n > 1 samples becomes n sequences (see `fork`).
+
+A sequence is the one record of one completion: besides its tokens and cache bookkeeping it holds
+what the engine accumulates for the client (text, logprobs, timings, why it finished).
 """
 
 from __future__ import annotations
@@ -11,7 +14,13 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from sluice.engine.detokenizer import IncrementalDetokenizer
+    from sluice.engine.sampler import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -26,8 +35,9 @@ _seq_ids = itertools.count()
 class Sequence:
     """Prompt plus generated tokens of one sample, and its place in the paged KV cache.
 
-    The engine owns `token_ids` growth (`append_token`); the scheduler and block manager own
-    `num_computed_tokens`, `num_cached_tokens`, `block_table`, `status` and the bookkeeping below.
+    The engine owns `token_ids` growth (`append_token`) and the completion's record; the
+    scheduler and block manager own `num_computed_tokens`, `num_cached_tokens`, `block_table`,
+    `status` and the bookkeeping below.
     """
 
     def __init__(
@@ -40,7 +50,7 @@ class Sequence:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         seq_id: int | None = None,
-        sampling_params: Any = None,
+        index: int = 0,
     ):
         self.seq_id: int = next(_seq_ids) if seq_id is None else seq_id
         self.request_id = request_id
@@ -55,9 +65,17 @@ class Sequence:
         self.cache_salt = cache_salt
         self.status = SequenceStatus.WAITING
         self.max_tokens = max_tokens
-        # Opaque to the scheduler: the engine keeps the request's SamplingParams here.
-        self.sampling_params = sampling_params
-        self.finish_reason: str | None = None  # set by whoever finishes it ("stop", "length", "abort")
+        # Block-manager bookkeeping follows below; first the completion's record (the engine's).
+        self.index = index  # which of its request's n samples
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.generator: torch.Generator | None = None  # a seeded request's own random numbers
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] = []
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.stop_reason: str | int | None = None  # the stop string or token id that ended it
         # Block-manager bookkeeping. Hashes depend only on tokens and salt, so they survive
         # preemption; `num_committed_blocks` counts leading blocks registered in the prefix cache.
         self.block_hashes: list[bytes] = []
@@ -112,8 +130,10 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
 
-    def fork(self, request_id: str, num_tokens: int | None = None, seq_id: int | None = None) -> Sequence:
-        """A new sequence with this one's first `num_tokens` tokens (default: all) and settings.
+    def fork(self, request_id: str, num_tokens: int | None = None, seq_id: int | None = None,
+             index: int = 0) -> Sequence:
+        """A new sequence with this one's first `num_tokens` tokens (default: all) and settings,
+        as sample `index` of the request (its record of the completion starts empty).
 
         For n > 1 samples: after the parent's prefill step, fork each child at the prompt length,
         append the child's own first sample, then hand it to `BatchScheduler.fork`.
@@ -129,7 +149,7 @@ class Sequence:
             arrival_time=self.arrival_time,
             cache_salt=self.cache_salt,
             seq_id=seq_id,
-            sampling_params=self.sampling_params,
+            index=index,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         return child

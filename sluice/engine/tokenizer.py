@@ -34,7 +34,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from sluice.engine.errors import EngineError
+from sluice.engine.errors import EngineError, ModelError
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +131,11 @@ class Tokenizer:
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise EngineError("no tokenizer.json in the model directory (only fast tokenizers are supported)", tok_file)
+            raise ModelError("no tokenizer.json in the model directory (only fast tokenizers are supported)", tok_file)
         try:
             backend = tokenizers.Tokenizer.from_file(tok_file)
         except Exception as e:  # the tokenizers library raises plain Exception subclasses
-            raise EngineError(f"cannot read tokenizer: {e}", tok_file) from e
+            raise ModelError(f"cannot read tokenizer: {e}", tok_file) from e
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
         gen_config = _read_json(os.path.join(path, "generation_config.json"))
 
@@ -175,7 +175,7 @@ class Tokenizer:
         meta = _GGUFMeta(fields, path or "gguf")
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise EngineError(
+            raise ModelError(
                 f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)",
                 "tokenizer.ggml.model",
             )
@@ -405,7 +405,7 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
-        raise EngineError(f"cannot read JSON: {e}", path) from e
+        raise ModelError(f"cannot read JSON: {e}", path) from e
     return data if isinstance(data, dict) else {}
 
 
@@ -474,7 +474,7 @@ def _compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateError as e:
-        raise EngineError(f"invalid jinja template: {e}", "chat_template") from e
+        raise ModelError(f"invalid jinja template: {e}", "chat_template") from e
 
 
 class _GGUFMeta:
@@ -495,7 +495,7 @@ class _GGUFMeta:
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
-            raise EngineError(f"GGUF file lacks tokenizer metadata {key!r}", key)
+            raise ModelError(f"GGUF file lacks tokenizer metadata {key!r}", key)
         return value
 
 

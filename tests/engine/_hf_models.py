@@ -7,8 +7,10 @@ import random
 
 import torch
 
-from sluice.engine.attention import build_metadata, kv_cache_shape
+from sluice.engine.attention import kv_cache_shape
 from sluice.engine.model import CausalLM
+from sluice.engine.paged_cache import LayerKVCache
+from sluice.engine.step_plan import AttentionSpec, StepPlan, build_step_plan
 
 TINY = dict(
     hidden_size=64,
@@ -88,7 +90,15 @@ def shuffled_tables(lengths, num_blocks, seed=0):
 def garbage_caches(config, num_blocks, dtype=torch.float32):
     shape = kv_cache_shape(num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(shape, generator=g).to(dtype) * 50, torch.randn(shape, generator=g).to(dtype) * 50) for _ in range(config.num_hidden_layers)]
+    return [LayerKVCache(torch.randn(shape, generator=g).to(dtype) * 50, torch.randn(shape, generator=g).to(dtype) * 50)
+            for _ in range(config.num_hidden_layers)]
+
+
+def plan_for(model: CausalLM, caches, query_lens, seq_lens, tables, sliding_window=None) -> StepPlan:
+    """The step's plan on the model's kernels, as the model runner builds it."""
+    cache = caches[0]
+    layout = build_step_plan(query_lens, seq_lens, tables, cache.k.shape[2], cache.k.device, sliding_window)
+    return model.ops.plan(layout, AttentionSpec.of(model.config, model.dtype, cache))
 
 
 def step_plan(lengths):
@@ -114,14 +124,11 @@ def run_in_steps(model: CausalLM, prompts, tables, caches, sliding_window=None):
         for i in seqs:
             ids += prompts[i][done[i] : done[i] + step[i]]
             pos += range(done[i], done[i] + step[i])
-        meta = build_metadata(
-            [step[i] for i in seqs],
-            [done[i] + step[i] for i in seqs],
-            [tables[i] for i in seqs],
-            BLOCK,
-            sliding_window=sliding_window,
-        )
-        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta, caches))
+        plan = plan_for(model, caches, [step[i] for i in seqs], [done[i] + step[i] for i in seqs],
+                         [tables[i] for i in seqs], sliding_window)
+        assert plan.positions.tolist() == pos
+        device = caches[0].k.device
+        logits = model.compute_logits(model(torch.tensor(ids, device=device), plan, caches))
         off = 0
         for i in seqs:
             out[i].append(logits[off : off + step[i]])

@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dataclasses import replace
+
 from sluice.engine import attention
-from sluice.engine.attention import build_metadata, kv_cache_shape, paged_attention, write_kv
+from sluice.engine.attention import kv_cache_shape, paged_attention, plan_torch_attention, write_kv
+from sluice.engine.step_plan import build_step_plan
 
 BLOCK = 4
 HQ, HKV, D = 6, 2, 8
@@ -16,6 +19,12 @@ HQ, HKV, D = 6, 2, 8
 # decodes of many lengths first, then prefills: a chunk after cached context, a whole prompt
 QUERY_LENS = [1, 1, 1, 1, 1, 1, 5, 7]
 SEQ_LENS = [3, 40, 9, 17, 41, 2, 23, 7]
+
+
+def build_plan(query_lens, seq_lens, tables, sliding_window=None):
+    """The step planned for the torch attention path, as the torch kernel family plans it."""
+    step = build_step_plan(query_lens, seq_lens, tables, BLOCK, sliding_window=sliding_window)
+    return replace(step, torch_attention=plan_torch_attention(step, HKV))
 
 
 def reference(q, k_cache, v_cache, query_lens, seq_lens, tables, scale, window=None):
@@ -66,11 +75,11 @@ def make_case(dtype, seed=0, shared_prefix_blocks=0, spread=1):
 def test_matches_reference(monkeypatch, max_gap, window, shared, spread):
     monkeypatch.setattr(attention, "MAX_BLOCK_GAP", max_gap)
     q, k_cache, v_cache, tables = make_case(torch.float32, shared_prefix_blocks=shared, spread=spread)
-    meta = build_metadata(QUERY_LENS, SEQ_LENS, tables, BLOCK, sliding_window=window)
-    out = paged_attention(q, k_cache, v_cache, meta, scale=D**-0.5)
+    step = build_plan(QUERY_LENS, SEQ_LENS, tables, sliding_window=window)
+    out = paged_attention(q, k_cache, v_cache, step, scale=D**-0.5)
     expected = reference(q, k_cache, v_cache, QUERY_LENS, SEQ_LENS, tables, D**-0.5, window)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    plan = meta.torch_plan.decodes
+    plan = step.torch_attention.decodes
     assert (plan.dup_blocks is not None) == bool(shared)
     if max_gap == 10**6:
         assert len(plan.runs) == 1
@@ -78,8 +87,8 @@ def test_matches_reference(monkeypatch, max_gap, window, shared, spread):
 
 def test_bfloat16_matches_reference():
     q, k_cache, v_cache, tables = make_case(torch.bfloat16, seed=3, shared_prefix_blocks=2, spread=2)
-    meta = build_metadata(QUERY_LENS, SEQ_LENS, tables, BLOCK)
-    out = paged_attention(q, k_cache, v_cache, meta, scale=D**-0.5)
+    step = build_plan(QUERY_LENS, SEQ_LENS, tables)
+    out = paged_attention(q, k_cache, v_cache, step, scale=D**-0.5)
     expected = reference(q, k_cache, v_cache, QUERY_LENS, SEQ_LENS, tables, D**-0.5)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
@@ -91,10 +100,10 @@ def test_prefill_from_own_kv_equals_reading_the_cache_back():
     k_new = torch.randn(12, HKV, D)
     v_new = torch.randn(12, HKV, D)
     tables = [tables[7], tables[6]]
-    meta = build_metadata(qlens, slens, tables, BLOCK)
-    write_kv(k_new, v_new, k_cache, v_cache, meta)
-    from_cache = paged_attention(q[:12], k_cache, v_cache, meta, scale=D**-0.5)
-    from_new = paged_attention(q[:12], k_cache, v_cache, meta, scale=D**-0.5, k=k_new, v=v_new)
+    step = build_plan(qlens, slens, tables)
+    write_kv(k_new, v_new, k_cache, v_cache, step)
+    from_cache = paged_attention(q[:12], k_cache, v_cache, step, scale=D**-0.5)
+    from_new = paged_attention(q[:12], k_cache, v_cache, step, scale=D**-0.5, k=k_new, v=v_new)
     torch.testing.assert_close(from_new, from_cache, rtol=1e-6, atol=1e-6)
     expected = reference(q[:12], k_cache, v_cache, qlens, slens, tables, D**-0.5)
     torch.testing.assert_close(from_new, expected, rtol=1e-5, atol=1e-5)
@@ -105,7 +114,7 @@ def test_head_size_equal_to_block_size(monkeypatch):
     multiply by K transposed for the one and by V as it is for the other."""
     monkeypatch.setitem(globals(), "D", BLOCK)
     q, k_cache, v_cache, tables = make_case(torch.float32, seed=7, spread=2)
-    meta = build_metadata(QUERY_LENS, SEQ_LENS, tables, BLOCK)
-    out = paged_attention(q, k_cache, v_cache, meta, scale=D**-0.5)
+    step = build_plan(QUERY_LENS, SEQ_LENS, tables)
+    out = paged_attention(q, k_cache, v_cache, step, scale=D**-0.5)
     expected = reference(q, k_cache, v_cache, QUERY_LENS, SEQ_LENS, tables, D**-0.5)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
-from sluice.engine.errors import EngineError
+from sluice.engine.errors import EngineError, ErrorCode
 from sluice.engine.loader import load_model
 from sluice.engine.sampling_params import SamplingParams
 
@@ -159,6 +159,20 @@ def test_bad_requests_are_rejected_by_field_and_the_engine_keeps_serving(bad, fi
         outputs += engine.step()
     assert [o.finish_reason for o in outputs if o.finished] == ["length"]
     assert sum(len(o.new_token_ids) for o in outputs) == 5  # 6 tokens, the first came before
+
+
+def test_errors_carry_a_code_for_what_went_wrong(tmp_path):
+    save_tiny("llama", tmp_path)
+    engine = tiny_engine(tmp_path)
+    cases = [(dict(prompt_token_ids=list(range(3, 100)) * 3), ErrorCode.PROMPT_TOO_LONG),
+             (dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=1.5)), ErrorCode.INVALID_REQUEST)]
+    for bad, code in cases:
+        with pytest.raises(EngineError) as err:
+            engine.add_request(**bad)
+        assert err.value.code == code
+    with pytest.raises(EngineError) as err:
+        LLMEngine(str(tmp_path / "no-such-model"))
+    assert err.value.code == ErrorCode.INVALID_MODEL
 
 
 def test_unknown_model_path_names_the_path(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import EngineError
-from sluice.engine.kernels import resolve_backend
+from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.loader import load_model
 from sluice.engine.sampling_params import SamplingParams
 
@@ -87,8 +87,8 @@ def test_sampling_through_the_kernel_is_seeded_and_stays_in_the_kept_set(tmp_pat
 def test_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(EngineError, match="TRITON_INTERPRET=1") as e:
-        resolve_backend("triton", "cpu")
+        resolve_kernel_ops("triton", "cpu")
     assert e.value.field == "kernels"
-    assert resolve_backend("auto", "cpu") in ("native", "torch")  # never Triton without a GPU
+    assert resolve_kernel_ops("auto", "cpu").name in ("native", "torch")  # never Triton without a GPU
     with pytest.raises(EngineError, match="unknown kernels"):
-        resolve_backend("fast", "cpu")
+        resolve_kernel_ops("fast", "cpu")

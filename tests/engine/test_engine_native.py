@@ -16,8 +16,8 @@ import torch
 import _hf_models
 from _hf_models import build, garbage_caches, make_prompts, rel_err, run_in_steps, shuffled_tables
 from sluice.engine.cpu_kernels import paged_decode, paged_prefill
-from sluice.engine.loader import load_model
-from sluice.engine.model import CausalLM
+from sluice.engine.kernel_ops import resolve_kernel_ops
+from sluice.engine.loader import build_model, load_model
 from test_engine_kernels import MODELS, assert_same_greedy_tokens, engine
 
 # Head size 16 (the tiny models) takes the kernels' generic paths; 64 with block size 16 the
@@ -52,7 +52,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_torch_path(tmp_path, monkeypatch
     monkeypatch.setattr(_hf_models, "BLOCK", 16)
     lengths = [1, 2, 5, 17, 40, 70]
     prompts, tables = make_prompts(cfg.vocab_size, lengths), shuffled_tables(lengths, 40)
-    want = run_in_steps(CausalLM.from_state_dict(cfg, loaded.tensors, torch.float32), prompts, tables,
+    want = run_in_steps(build_model(cfg, loaded.tensors, torch.float32), prompts, tables,
                         garbage_caches(cfg, 40), cfg.sliding_window)
     calls = []
     for fn in ("paged_decode_cpu", "paged_prefill_cpu"):
@@ -61,8 +61,7 @@ def test_bfloat16_is_as_close_to_float32_as_the_torch_path(tmp_path, monkeypatch
         monkeypatch.setattr(module, fn, lambda *a, _real=real, _fn=fn, **k: (calls.append(_fn), _real(*a, **k))[1])
     err = {}
     for kernels in ("native", "torch"):
-        model = CausalLM.from_state_dict(cfg, loaded.tensors, "bfloat16")
-        model.use_kernels(kernels)
+        model = build_model(cfg, loaded.tensors, "bfloat16", ops=resolve_kernel_ops(kernels, "cpu"))
         got = run_in_steps(model, prompts, tables, garbage_caches(cfg, 40, torch.bfloat16), cfg.sliding_window)
         err[kernels] = max(rel_err(g, w) for g, w in zip(got, want))
     assert {"paged_decode_cpu", "paged_prefill_cpu"} <= set(calls)  # the bfloat16 attention ran in C
@@ -76,9 +75,9 @@ def test_the_start_log_suggests_bfloat16_where_the_cpu_multiplies_it(tmp_path, m
                                                                      hinted):
     import logging
 
-    import sluice.engine.engine as engine_module
+    from sluice.engine.kernel_ops import native_ops
 
-    monkeypatch.setattr(engine_module, "cpu_multiplies_bfloat16", lambda: cpu_has_it)
+    monkeypatch.setattr(native_ops, "cpu_multiplies_bfloat16", lambda: cpu_has_it)
     build("llama").save_pretrained(tmp_path)
     with caplog.at_level(logging.INFO, logger="sluice.engine.engine"):
         e = engine(tmp_path, "native", device="cpu", dtype=dtype)

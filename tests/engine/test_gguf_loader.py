@@ -10,11 +10,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from sluice.engine.errors import EngineError
-from sluice.engine.loader import load_model
+from sluice.engine.loader import build_model, load_model
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
-from sluice.engine.model import CausalLM
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
-from _hf_models import BLOCK, LENGTHS, build, garbage_caches, hf_logits, make_prompts, rel_err, run_in_steps, shuffled_tables
+from _hf_models import LENGTHS, build, garbage_caches, hf_logits, make_prompts, plan_for, rel_err, run_in_steps, shuffled_tables
 
 # ---------------------------------------------------------------- reference block decoders (float64)
 
@@ -236,7 +235,7 @@ def write_gguf(path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: b
 
 def _check_against_hf(hf, loaded):
     cfg = loaded.config
-    model = CausalLM.from_state_dict(cfg, loaded.tensors)
+    model = build_model(cfg, loaded.tensors)
     prompts = make_prompts(cfg.vocab_size)
     ours = run_in_steps(model, prompts, shuffled_tables(LENGTHS, 40), garbage_caches(cfg, 40))
     for got, want in zip(ours, hf_logits(hf, prompts)):
@@ -327,16 +326,13 @@ def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatc
         tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
         tok.encode("The quick brown fox jumps over the lazy dog. " * 3),
     ]
-    model = CausalLM.from_state_dict(smollm2.config, smollm2.tensors)
-    from sluice.engine.attention import build_metadata
-
+    model = build_model(smollm2.config, smollm2.tensors)
     cfg = smollm2.config
     caches = garbage_caches(cfg, 16)
     tables = shuffled_tables([len(p) for p in prompts], 16)
-    meta = build_metadata([len(p) for p in prompts], [len(p) for p in prompts], tables, BLOCK)
+    plan = plan_for(model, caches, [len(p) for p in prompts], [len(p) for p in prompts], tables)
     ids = torch.tensor(prompts[0] + prompts[1])
-    pos = torch.cat([torch.arange(len(p)) for p in prompts])
-    hidden = model(ids, pos, meta, caches)
+    hidden = model(ids, plan, caches)
     last = torch.tensor([len(prompts[0]) - 1, len(ids) - 1])
     ours = model.compute_logits(hidden[last])
     with torch.no_grad():

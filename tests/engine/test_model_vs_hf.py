@@ -26,7 +26,8 @@ from _hf_models import (
 from sluice.engine.attention import kv_cache_shape
 from sluice.engine.config import EngineConfig
 from sluice.engine.loader import load_model
-from sluice.engine.model import CausalLM
+from sluice.engine.loader import build_model
+from sluice.engine.paged_cache import LayerKVCache
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 
 CASES = {
@@ -72,7 +73,7 @@ def test_flat_batch_matches_transformers(case, tmp_path):
         assert cfg.sliding_window == overrides["sliding_window"]
     if "tie_word_embeddings" in overrides:
         assert cfg.tie_word_embeddings and "lm_head.weight" not in loaded.tensors
-    model = CausalLM.from_state_dict(cfg, loaded.tensors, torch.float32, "cpu")
+    model = build_model(cfg, loaded.tensors, torch.float32, "cpu")
 
     prompts = make_prompts(cfg.vocab_size)
     num_blocks = 40
@@ -99,8 +100,8 @@ def test_bfloat16_close_to_float32(tmp_path):
     cfg = loaded.config
     prompts = make_prompts(cfg.vocab_size, [7, 12])
     tables = shuffled_tables([7, 12], 16)
-    ref = run_in_steps(CausalLM.from_state_dict(cfg, loaded.tensors, torch.float32), prompts, tables, garbage_caches(cfg, 16))
-    bf = CausalLM.from_state_dict(cfg, loaded.tensors, "bfloat16")
+    ref = run_in_steps(build_model(cfg, loaded.tensors, torch.float32), prompts, tables, garbage_caches(cfg, 16))
+    bf = build_model(cfg, loaded.tensors, "bfloat16")
     assert bf.dtype == torch.bfloat16
     got = run_in_steps(bf, prompts, tables, garbage_caches(cfg, 16, torch.bfloat16))
     for g, r in zip(got, ref):
@@ -117,7 +118,7 @@ def test_model_runner_execute_and_copy_blocks(tmp_path):
     hf.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, load_tokenizer=False)
     cfg = loaded.config
-    model = CausalLM.from_state_dict(cfg, loaded.tensors)
+    model = build_model(cfg, loaded.tensors)
     ec = EngineConfig(block_size=BLOCK, kv_cache_bytes=cfg.kv_bytes_per_token(4) * BLOCK * 32)
     assert num_kv_blocks(cfg, ec) == 32
     runner = ModelRunner(model, cfg, ec, 32)
@@ -166,9 +167,9 @@ def test_flat_batch_on_cuda(tmp_path, dtype, tol):
     hf.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, load_tokenizer=False)
     cfg = loaded.config
-    model = CausalLM.from_state_dict(cfg, loaded.tensors, dtype, "cuda")
+    model = build_model(cfg, loaded.tensors, dtype, "cuda")
     prompts = make_prompts(cfg.vocab_size)
-    caches = [tuple(t.to("cuda") for t in kv) for kv in garbage_caches(cfg, 40, dtype)]
+    caches = [LayerKVCache(*(t.to("cuda") for t in kv)) for kv in garbage_caches(cfg, 40, dtype)]
     # CUDA matmuls may use TF32, hence the looser float32 tolerance
     for got, want in zip(run_in_steps(model, prompts, shuffled_tables(LENGTHS, 40), caches), hf_logits(hf, prompts)):
         assert rel_err(got.cpu(), want) <= tol

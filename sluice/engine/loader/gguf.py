@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig
-from ..errors import EngineError
-from ..model import check_tensors
+from ..config import ModelConfig, torch_dtype
+from ..errors import ModelError
+from .tensor_names import check_tensors
 
 # Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -69,7 +69,7 @@ def dequantize(tensor: Any, source: str = "gguf") -> np.ndarray:
 
     qtype = tensor.tensor_type
     if qtype.name not in SUPPORTED_TYPES:
-        raise EngineError(
+        raise ModelError(
             f"{source}: tensor {tensor.name!r} has unsupported quantization type {qtype.name}; "
             f"supported: {', '.join(SUPPORTED_TYPES)}",
             field=tensor.name,
@@ -89,7 +89,7 @@ class _Meta:
     def need(self, key: str):
         v = self.get(key)
         if v is None:
-            raise EngineError(f"{self.source}: missing metadata field {key!r}", field=key)
+            raise ModelError(f"{self.source}: missing metadata field {key!r}", field=key)
         return v
 
 
@@ -97,26 +97,26 @@ def read_config(reader, source: str) -> tuple[ModelConfig, str]:
     m = _Meta(reader, source)
     gguf_arch = m.need("general.architecture")
     if gguf_arch not in ARCHITECTURES:
-        raise EngineError(
+        raise ModelError(
             f"{source}: unknown architecture {gguf_arch!r} in field 'general.architecture'; "
             f"supported: {sorted(ARCHITECTURES)}",
             field="general.architecture",
         )
     if (m.get("split.count") or 1) > 1:
-        raise EngineError(f"{source}: split GGUF files are not supported; merge them first", field="split.count")
+        raise ModelError(f"{source}: split GGUF files are not supported; merge them first", field="split.count")
     a = gguf_arch
     names = {t.name: t for t in reader.tensors}
     heads = int(m.need(f"{a}.attention.head_count"))
     kv = m.get(f"{a}.attention.head_count_kv", heads)
     if isinstance(kv, list):  # per-layer list in some files; we need it uniform
         if len(set(kv)) != 1:
-            raise EngineError(f"{source}: per-layer head_count_kv differs", field=f"{a}.attention.head_count_kv")
+            raise ModelError(f"{source}: per-layer head_count_kv differs", field=f"{a}.attention.head_count_kv")
         kv = kv[0]
     hidden = int(m.need(f"{a}.embedding_length"))
     head_dim = int(m.get(f"{a}.attention.key_length") or hidden // heads)
     rot = m.get(f"{a}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
-        raise EngineError(f"{source}: partial rotary (rope.dimension_count={rot}) is not supported", field=f"{a}.rope.dimension_count")
+        raise ModelError(f"{source}: partial rotary (rope.dimension_count={rot}) is not supported", field=f"{a}.rope.dimension_count")
 
     embd = names.get("token_embd.weight")
     vocab = m.get(f"{a}.vocab_size") or (int(embd.shape[1]) if embd is not None else None)
@@ -124,7 +124,7 @@ def read_config(reader, source: str) -> tuple[ModelConfig, str]:
         tokens = m.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if tokens else None
     if vocab is None:
-        raise EngineError(f"{source}: cannot tell the vocabulary size", field=f"{a}.vocab_size")
+        raise ModelError(f"{source}: cannot tell the vocabulary size", field=f"{a}.vocab_size")
 
     rope_scaling = None
     kind = m.get(f"{a}.rope.scaling.type")
@@ -134,10 +134,10 @@ def read_config(reader, source: str) -> tuple[ModelConfig, str]:
         if orig:
             rope_scaling["original_max_position_embeddings"] = int(orig)
     elif kind not in (None, "none"):
-        raise EngineError(f"{source}: unsupported rope scaling {kind!r}", field=f"{a}.rope.scaling.type")
+        raise ModelError(f"{source}: unsupported rope scaling {kind!r}", field=f"{a}.rope.scaling.type")
     if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency divisors
         if rope_scaling is not None:
-            raise EngineError(f"{source}: rope_freqs together with rope.scaling.type", field="rope_freqs.weight")
+            raise ModelError(f"{source}: rope_freqs together with rope.scaling.type", field="rope_freqs.weight")
         factors = dequantize(names["rope_freqs.weight"], source).reshape(-1)
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
 
@@ -167,15 +167,14 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     import gguf
 
     from . import LoadedModel
-    from ..model import _to_dtype
 
     source = str(path)
     try:
         reader = gguf.GGUFReader(source)
     except Exception as e:  # the reader raises ValueError/struct errors on a damaged file
-        raise EngineError(f"{source}: cannot read GGUF file: {e}", field="model") from e
+        raise ModelError(f"{source}: cannot read GGUF file: {e}", field="model") from e
     config, gguf_arch = read_config(reader, source)
-    target = torch.float32 if dtype is None else _to_dtype(dtype)
+    target = torch.float32 if dtype is None else torch_dtype(dtype)
 
     tensors = {}
     for t in reader.tensors:

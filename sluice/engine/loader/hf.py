@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from ..errors import EngineError
-from ..model import check_tensors, expected_shapes
+from ..config import ModelConfig, torch_dtype
+from ..errors import ModelError
+from .tensor_names import check_tensors, expected_shapes
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -17,7 +17,7 @@ def read_config(path: Path) -> ModelConfig:
     try:
         d = json.loads(cfg_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise EngineError(f"{cfg_file}: cannot read: {e}", field="config.json") from e
+        raise ModelError(f"{cfg_file}: cannot read: {e}", field="config.json") from e
     gen_file = path / "generation_config.json"
     if gen_file.is_file():  # generation_config may add end-of-turn ids to config.json's eos
         try:
@@ -39,11 +39,11 @@ def _weight_files(path: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise EngineError(f"{index}: cannot read weight_map: {e}", field="weight_map") from e
+            raise ModelError(f"{index}: cannot read weight_map: {e}", field="weight_map") from e
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
-                raise EngineError(f"{index}: shard {f.name!r} listed in weight_map does not exist", field="weight_map")
+                raise ModelError(f"{index}: shard {f.name!r} listed in weight_map does not exist", field="weight_map")
         return files
     single = path / "model.safetensors"
     if single.is_file():
@@ -52,7 +52,7 @@ def _weight_files(path: Path) -> list[Path]:
     if files:
         return files
     hint = " (pytorch_model.bin is not supported; convert to safetensors)" if (path / "pytorch_model.bin").exists() else ""
-    raise EngineError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}", field="model.safetensors")
+    raise ModelError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}", field="model.safetensors")
 
 
 def load_tensors(path: Path, config: ModelConfig, dtype: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -69,19 +69,18 @@ def load_tensors(path: Path, config: ModelConfig, dtype: Any = None) -> tuple[di
                     if name in wanted:
                         tensors[name] = sf.get_tensor(name).to(target)
                         origin[name] = str(f)
-        except EngineError:
+        except ModelError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise EngineError(f"{f}: cannot read safetensors: {e}", field=f.name) from e
+            raise ModelError(f"{f}: cannot read safetensors: {e}", field=f.name) from e
     return tensors, origin
 
 
 def load_hf_dir(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     from . import LoadedModel
-    from ..model import _to_dtype
 
     config = read_config(path)
-    tensors, origin = load_tensors(path, config, None if dtype is None else _to_dtype(dtype))
+    tensors, origin = load_tensors(path, config, None if dtype is None else torch_dtype(dtype))
     check_tensors(config, tensors, str(path), origin)
     tokenizer = None
     if load_tokenizer:

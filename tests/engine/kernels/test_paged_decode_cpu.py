@@ -12,7 +12,7 @@ import torch
 from sluice.engine import cpu_kernels
 from sluice.engine.cpu_kernels.paged_decode import paged_decode_cpu, supports
 from sluice.engine.errors import EngineError
-from sluice.engine.kernels import resolve_backend
+from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kernels.paged_attention import paged_decode_attention_torch
 
 from test_paged_attention import LENS, attention_f64, build_case
@@ -21,7 +21,7 @@ from test_paged_attention import LENS, attention_f64, build_case
 def test_the_kernels_build_on_this_machine():
     # CI has a C compiler: the native path must really run there, not fall back silently.
     assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
-    assert resolve_backend("auto", "cpu") == "native"
+    assert resolve_kernel_ops("auto", "cpu").name == "native"
 
 
 def run_native(args, *, stride_pad: int = 0, extra_rows: int = 0):
@@ -152,9 +152,9 @@ def test_without_the_kernels_auto_falls_back_and_native_names_the_reason(monkeyp
     monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     assert cpu_kernels.library() is None
     assert "SLUICE_NATIVE_KERNELS=0" in cpu_kernels.unavailable_reason()
-    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_kernel_ops("auto", "cpu").name == "torch"
     with pytest.raises(EngineError, match="SLUICE_NATIVE_KERNELS=0") as e:
-        resolve_backend("native", "cpu")
+        resolve_kernel_ops("native", "cpu")
     assert e.value.field == "kernels"
 
 
@@ -167,7 +167,7 @@ def test_a_missing_compiler_is_named(monkeypatch):
 
 def test_native_is_for_the_cpu_only():
     with pytest.raises(EngineError, match="CPU"):
-        resolve_backend("native", "cuda")
+        resolve_kernel_ops("native", "cuda")
 
 
 def test_an_unwritable_cache_dir_is_named(monkeypatch, tmp_path):

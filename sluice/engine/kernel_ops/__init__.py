@@ -1,0 +1,63 @@
+"""The kernels a model runs on, as one object: the operations a layer needs (`KernelOps`), with one
+implementation per family, and the resolver that picks the family for a device.
+
+    ops = resolve_kernel_ops("auto", "cpu")   # NativeOps where the C kernels built, else TorchOps
+
+  torch   `TorchOps`: plain torch; the reference everywhere and the fallback.
+  native  `NativeOps`: the C kernels of `cpu_kernels` on the CPU, torch for the rest.
+  triton  `TritonOps`: the Triton kernels of `kernels` on CUDA (on the CPU only in Triton's
+          interpreter, to check them).
+
+`EngineConfig.kernels` ("auto" or a family's name) chooses. This module is the one place that
+tells the families apart by name; everything else calls the object it returns.
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import KernelOps, RopeTables
+
+KERNEL_CHOICES = ("auto", "torch", "triton", "native")
+
+
+def resolve_kernel_ops(choice: str, device_type: str) -> KernelOps:
+    """The family for a configured choice on a device type ("cpu", "cuda"); raises EngineError
+    naming why a forced family cannot run here."""
+    from ..kernels import interpreting, native_available, triton_available
+
+    def fail(message: str) -> ConfigError:
+        return ConfigError(message, field="kernels")
+
+    if choice not in KERNEL_CHOICES:
+        raise fail(f"unknown kernels {choice!r}; choose one of {list(KERNEL_CHOICES)}")
+    if choice == "auto":
+        if device_type == "cuda":
+            choice = "triton" if triton_available() else "torch"
+        else:
+            choice = "native" if device_type == "cpu" and native_available() else "torch"
+    elif choice == "native":
+        if device_type != "cpu":
+            raise fail(f"kernels='native' are C kernels for the CPU, not for {device_type}")
+        if not native_available():
+            from ..cpu_kernels import unavailable_reason
+
+            raise fail(f"kernels='native' unavailable: {unavailable_reason()}")
+    elif choice == "triton":
+        if not triton_available():
+            raise fail("kernels='triton' but the triton package is not installed")
+        if device_type != "cuda" and not interpreting():
+            raise fail("kernels='triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                       "before starting (it is slow; meant for checking the kernels, not for serving)")
+    if choice == "native":
+        from .native_ops import NativeOps
+
+        return NativeOps()
+    if choice == "triton":
+        from .triton_ops import TritonOps
+
+        return TritonOps()
+    from .torch_ops import TorchOps
+
+    return TorchOps()
+
+
+__all__ = ["KERNEL_CHOICES", "KernelOps", "RopeTables", "resolve_kernel_ops"]

@@ -1,0 +1,85 @@
+"""What a kernel family provides: the operations a decoder layer, the LM head and the sampler need.
+
+A layer calls these and nothing else, so the model reads like the math whichever kernels run it:
+
+    h, residual = ops.add_rmsnorm(x, residual, norm_weight, eps)
+    q, k = ops.rotary(q, k, rope)
+    ops.write_kv(k, v, cache, plan)
+    out = ops.attend(q, k, v, cache, plan, scale)
+    y = ops.linear(ops.silu_and_mul(ops.linear(h, gate_up)), down)
+
+Each step the model runner asks the family to `plan` the step: it adds to the `StepPlan` what its
+attention kernels precompute, once for all layers.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from ..paged_cache import LayerKVCache
+    from ..rope import RotaryEmbedding
+    from ..sampling_params import SamplingParams
+    from ..step_plan import AttentionSpec, StepPlan
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions, as rotary() takes them
+
+
+class KernelOps(ABC):
+    name: ClassVar[str]  # as `EngineConfig.kernels` names the family
+
+    @abstractmethod
+    def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
+        """The step with what this family's attention needs precomputed (`step` is not changed)."""
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, plan: StepPlan) -> None:
+        """k, v [T, Hkv, D] of the step's new tokens into their cache slots."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+               plan: StepPlan, scale: float) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq, D]: decodes and prefill chunks over their cached context (this
+        step's k, v [T, Hkv, D] already written)."""
+
+    @abstractmethod
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rmsnorm(x + residual), x + residual); residual None: (weight * rmsnorm(x), x)."""
+
+    @abstractmethod
+    def rotary_tables(self, rotary: RotaryEmbedding, positions: torch.Tensor,
+                      dtype: torch.dtype) -> RopeTables:
+        """cos and sin of the step's positions in the form `rotary` takes (built once a step)."""
+
+    @abstractmethod
+    def rotary(self, q: torch.Tensor, k: torch.Tensor,
+               tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] rotated (in place where the family can)."""
+
+    @abstractmethod
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        """x @ W.T (+ bias) for a weight in any of the forms of `weights` (plain, packed, int8)."""
+
+    @abstractmethod
+    def draw(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+             generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """One token per row from the min-p / top-k / top-p truncated softmax of `logits` (already
+        penalized and divided by the temperature); a row's generator, where given, alone decides
+        its draw."""
+
+    def suggests_bfloat16(self) -> bool:
+        """Whether a float32 engine on these kernels would run much faster in bfloat16 (a hint
+        for the start log)."""
+        return False
+
+    def __str__(self) -> str:
+        return self.name

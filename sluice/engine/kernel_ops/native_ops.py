@@ -1,0 +1,88 @@
+"""The native family (the CPU default where a C compiler built them): the C kernels of
+`cpu_kernels` for the KV write, decode and prefill attention on the cache in place (float32 or
+bfloat16 models, on a cache of the model's type or an int8 one, read directly), RMSNorm with the
+residual add, rotary and SiLU-and-multiply; torch for the matmuls and the sampler.
+
+Where the attention kernels do not serve a model's shapes (`_c_attention`), its attention takes the
+torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks the shape.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from ..cpu_kernels import cpu_multiplies_bfloat16, kv_write, paged_decode, paged_prefill
+from ..cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
+from ..paged_cache import LayerKVCache
+from ..step_plan import AttentionSpec, StepPlan, decode_rows, prefill_rows
+from .base import RopeTables
+from .torch_ops import TorchOps, plan_sdpa_prefills, sdpa_prefills
+
+
+@functools.lru_cache(maxsize=None)
+def _c_attention(spec: AttentionSpec) -> tuple[bool, bool]:
+    """(the C kernels write this cache and attend on it, the prefill kernel serves it too), by
+    the kernels' own rules (`supports`) applied to empty tensors of the spec's types and shapes."""
+    q = torch.empty((0, spec.num_heads, spec.head_dim), dtype=spec.dtype, device=spec.device_type)
+    cache = torch.empty((0, spec.num_kv_heads, spec.block_size, spec.head_dim),
+                        dtype=spec.cache_dtype, device=spec.device_type)
+    served = paged_decode.supports(q, cache) and kv_write.supports(q, cache)
+    return served, served and paged_prefill.supports(q, cache)
+
+
+class NativeOps(TorchOps):
+    name = "native"
+
+    def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
+        served, prefill_served = _c_attention(spec)
+        if not served:
+            return super().plan(step, spec)
+        step = replace(step, attention=spec, decodes=decode_rows(step))
+        if prefill_served:
+            return replace(step, prefills=prefill_rows(step))
+        return plan_sdpa_prefills(step, spec)
+
+    def write_kv(self, k, v, cache: LayerKVCache, plan: StepPlan) -> None:
+        if not _c_attention(plan.attention)[0]:
+            super().write_kv(k, v, cache, plan)
+            return
+        kv_write.write_kv_native(k, v, cache.k, cache.v, plan.slot_mapping, cache.k_scale,
+                                 cache.v_scale)
+
+    def attend(self, q, k, v, cache: LayerKVCache, plan: StepPlan, scale: float) -> torch.Tensor:
+        served, prefill_served = _c_attention(plan.attention)
+        if not served:
+            return super().attend(q, k, v, cache, plan, scale)
+        out = torch.empty_like(q)
+        rows = plan.decodes
+        if rows is not None:
+            paged_decode.paged_decode_cpu(
+                q, out, rows.tokens, cache.k, cache.v, rows.block_tables, rows.seq_lens, scale,
+                plan.sliding_window, rows.max_seq_len, cache.k_scale, cache.v_scale)
+        chunks = plan.prefills
+        if not prefill_served:
+            sdpa_prefills(q, k, v, cache, plan, out, scale)
+        elif chunks is not None:
+            paged_prefill.paged_prefill_cpu(
+                q, out, chunks.starts, chunks.q_lens, chunks.seq_lens, cache.k, cache.v,
+                chunks.block_tables, scale, plan.sliding_window, cache.k_scale, cache.v_scale)
+        return out
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        return add_rmsnorm_native(x, residual, weight, eps)
+
+    def rotary_tables(self, rotary, positions, dtype) -> RopeTables:
+        cos, sin = rotary.cos_sin(positions, torch.float32)
+        return cos.squeeze(1), sin.squeeze(1)
+
+    def rotary(self, q, k, tables: RopeTables):
+        rotary_native_(q, k, *tables)
+        return q, k
+
+    def silu_and_mul(self, x):
+        return silu_and_mul_native(x)
+
+    def suggests_bfloat16(self) -> bool:
+        return cpu_multiplies_bfloat16()

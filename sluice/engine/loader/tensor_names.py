@@ -1,0 +1,99 @@
+"""The HF tensor names a decoder needs, with their shapes, and how they become the model's weights.
+
+Every loader (HF safetensors, GGUF) produces HF-named tensors; `check_tensors` says which file holds
+a missing or misshapen one, and `model_weights` fuses and casts them into `model.ModelWeights`
+(q/k/v into one matrix, gate/up into another).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelError
+from ..model import LayerWeights, ModelWeights
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names the model needs, with their shapes."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (c.q_size, h),
+                p + "self_attn.k_proj.weight": (c.kv_size, h),
+                p + "self_attn.v_proj.weight": (c.kv_size, h),
+                p + "self_attn.o_proj.weight": (h, c.q_size),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
+        if c.attention_bias:
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (c.q_size,),
+                    p + "self_attn.k_proj.bias": (c.kv_size,),
+                    p + "self_attn.v_proj.bias": (c.kv_size,),
+                }
+            )
+        if c.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+    return shapes
+
+
+def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
+                  origin: dict[str, str] | None = None) -> None:
+    """Raise EngineError naming the file and tensor when one is missing or has the wrong shape.
+
+    origin maps a tensor name to the file it was read from (default: `source`)."""
+    origin = origin or {}
+    for name, shape in expected_shapes(config).items():
+        t = tensors.get(name)
+        if t is None:
+            raise ModelError(f"{source}: missing tensor {name!r} (expected shape {list(shape)})",
+                             field=name)
+        if tuple(t.shape) != shape:
+            raise ModelError(
+                f"{origin.get(name, source)}: tensor {name!r} has shape {list(t.shape)}, "
+                f"expected {list(shape)}",
+                field=name,
+            )
+
+
+def model_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device | str) -> ModelWeights:
+    """The model's weights from checked HF-named tensors, cast and moved (the dict is unchanged)."""
+
+    def get(name: str) -> torch.Tensor:
+        return tensors[name].to(device=device, dtype=dtype)
+
+    def cat(*names: str) -> torch.Tensor:
+        return torch.cat([get(n) for n in names])
+
+    layers = []
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+        layers.append(LayerWeights(
+            input_norm=get(p + "input_layernorm.weight"),
+            post_attention_norm=get(p + "post_attention_layernorm.weight"),
+            qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            qkv_bias=qkv_bias,
+            o=get(a + "o_proj.weight"),
+            o_bias=get(a + "o_proj.bias") if config.o_proj_bias else None,
+            gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            down=get(p + "mlp.down_proj.weight"),
+        ))
+    lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
+    return ModelWeights(embed=get("model.embed_tokens.weight"), norm=get("model.norm.weight"),
+                        lm_head=lm_head, layers=layers)
