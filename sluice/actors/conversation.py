@@ -1,15 +1,18 @@
-"""Build a session turn's prompt so that it starts with the exact token ids of the turns before it.
+"""A session's conversation: the prompt of its next turn (`build_prompt`), and what to remember
+once a turn is answered (`remembered_turn`). The store itself is `connectors.sessions`.
 
 The prefix cache matches token ids, not text: re-tokenizing the whole conversation can split the
 earlier reply differently than the model generated it, and then nothing is reused. So a new turn
 is the stored ids of the conversation so far (earlier prompts and generated tokens) followed by the
-tokens of only the new text the chat template adds for this turn.
+tokens of only the new text the chat template adds for this turn, and a turn is remembered as the
+ids the model saw and generated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.actors.messages import TokenizedRequest
 from sluice.engine.tokenizer import Tokenizer
 from sluice.schemas import GenerateRequest
 
@@ -51,3 +54,13 @@ def _continue_chat(tokenizer: Tokenizer, history_messages: list[dict], history_i
     if not after.startswith(before):
         return None
     return tokenizer.encode(after[len(before):], add_special_tokens=False)
+
+
+def remembered_turn(work: TokenizedRequest, reply: str,
+                    reply_token_ids: list[int]) -> tuple[list[dict], list[int]]:
+    """(messages, token ids) of the conversation after this turn's reply: a chat turn adds the
+    reply as the assistant's message; every turn adds its prompt and the generated ids."""
+    messages = work.conversation
+    if work.request.messages is not None:
+        messages = messages + [{"role": "assistant", "content": reply}]
+    return messages, work.prompt_token_ids + reply_token_ids

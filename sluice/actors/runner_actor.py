@@ -1,9 +1,11 @@
 """Runner actor: owns one engine and turns its steps into an ordered stream of step messages.
 
-The engine's step loop runs in a thread of its own (ThreadedWorker), the only thread that touches
-the engine, so the event loop keeps serving Kafka heartbeats and polls while a step computes.
-Sequence numbers are given here, in the order the engine produced the tokens, so a request
-replayed after a crash gets the same (request_id, seq) for the same greedy tokens.
+The engine's step loop runs in a thread of its own (`EngineLoop` in a `ThreadedWorker`), the only
+thread that touches the engine, so the event loop keeps serving Kafka heartbeats and polls while a
+step computes. This actor lives on the event loop: it hands requests to the thread, tracks them,
+and builds a message from each step result. Sequence numbers are given here, in the order the
+engine produced the tokens, so a request replayed after a crash gets the same (request_id, seq)
+for the same greedy tokens.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from sluice.actors.conversation import remembered_turn
+from sluice.actors.engine_loop import EngineLoop, Rejection, StepResult
+from sluice.actors.errors import error_step, wire_code
 from sluice.actors.messages import Ack, Envelope, StepMessage, TokenizedRequest, no_ack
 from sluice.actors.metrics import Metrics
 from sluice.actors.runtime import Actor, ThreadedWorker
-from sluice.actors.tokenizer_actor import error_step
 from sluice.actors.transport import Sink
-from sluice.engine import EngineError, LLMEngine, SamplingParams, StepOutput
-from sluice.schemas.events import ErrorCode, Timings, TokenLogprob, TopLogprob, Usage
+from sluice.engine import LLMEngine, StepOutput
+from sluice.schemas.events import Timings, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,7 @@ class _Tracked:
     texts: dict[int, str] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finals: dict[int, StepOutput] = field(default_factory=dict)
+    expired: bool = False  # aborted at its deadline
 
 
 class RunnerActor(Actor):
@@ -45,19 +50,15 @@ class RunnerActor(Actor):
         self.metrics = metrics
         self.model_id = engine.model_id.rsplit("/", 1)[-1]
         self._tracked: dict[str, _Tracked] = {}
-        self._rejected: list[tuple[str, EngineError]] = []  # filled in the engine thread
-        self._deadlines: dict[str, float] = {}  # engine thread only: request id -> unix deadline
-        self.expired: set[str] = set()  # aborted at their deadline (added by the engine thread)
         self._worker: ThreadedWorker | None = None
         self.peak_queue = 0  # most requests the engine held at once (bounded by max_queue)
         if metrics:
             metrics.runner_queue_bound.labels(runner_id).set(max_queue)
             metrics.runner_peak_queue.labels(runner_id).set(0)
 
-    # -- loop side -----------------------------------------------------------------------------
-
     async def on_start(self) -> None:
-        self._worker = ThreadedWorker(step=self._step, accept=self._accept, has_work=self._has_work,
+        loop = EngineLoop(self.engine)
+        self._worker = ThreadedWorker(step=loop.step, accept=loop.accept, has_work=loop.has_work,
                                       name=self.runner_id, max_pending=16)
         self._worker.start()
         self.spawn(self._pump(), name=f"{self.runner_id}-pump")
@@ -81,8 +82,8 @@ class RunnerActor(Actor):
         self._worker.submit(work)
 
     async def _pump(self) -> None:
-        async for outputs in self._worker:
-            for message, ack in self._messages(outputs):
+        async for result in self._worker:
+            for message, ack in self._messages(result):
                 await self.send_steps(Envelope(message, ack or no_ack))
             if self.metrics:
                 self._observe()
@@ -94,54 +95,16 @@ class RunnerActor(Actor):
         self.metrics.preemptions.labels(self.runner_id).set(stats["num_preemptions"])
         self.metrics.queue_depth.labels("runner").set(len(self._tracked))
 
-    # -- engine thread -------------------------------------------------------------------------
+    # -- step results -> messages --------------------------------------------------------------
 
-    def _accept(self, work: TokenizedRequest) -> None:
-        request = work.request
-        try:
-            self.engine.add_request(
-                request.request_id, prompt_token_ids=work.prompt_token_ids,
-                params=SamplingParams(**request.sampling_kwargs()),
-                priority=request.priority, cache_salt=request.tenant,
-            )
-        except EngineError as exc:
-            self._rejected.append((request.request_id, exc))
-            return
-        if request.deadline is not None:
-            self._deadlines[request.request_id] = request.deadline
-
-    def _has_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._rejected)
-
-    def _step(self) -> list:
-        self._abort_expired()
-        rejected, self._rejected = self._rejected, []
-        outputs = self.engine.step() if self.engine.has_unfinished() else []
-        return [*rejected, *outputs]
-
-    def _abort_expired(self) -> None:
-        """Abort requests past their deadline: their final event (finish_reason "abort",
-        stop_reason "deadline") keeps the tokens already streamed."""
-        if not self._deadlines:
-            return
-        now = time.time()
-        for request_id, deadline in list(self._deadlines.items()):
-            if not self.engine.has_request(request_id):
-                del self._deadlines[request_id]
-            elif deadline < now:
-                del self._deadlines[request_id]
-                self.expired.add(request_id)
-                self.engine.abort(request_id)
-                log.info("request %s passed its deadline while generating: aborted", request_id)
-
-    # -- step outputs -> messages --------------------------------------------------------------
-
-    def _messages(self, outputs: list) -> list[tuple[StepMessage, Ack | None]]:
+    def _messages(self, result: StepResult) -> list[tuple[StepMessage, Ack | None]]:
         messages = []
-        for out in outputs:
-            if isinstance(out, tuple):  # (request_id, EngineError) from add_request
-                messages += self._rejection(*out)
-                continue
+        for rejection in result.rejections:
+            messages += self._rejection(rejection)
+        for request_id in result.expired:
+            if request_id in self._tracked:
+                self._tracked[request_id].expired = True
+        for out in result.outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
@@ -156,12 +119,12 @@ class RunnerActor(Actor):
                     messages.append((self._final_message(tracked), tracked.ack))
         return messages
 
-    def _rejection(self, request_id: str, exc: EngineError) -> list[tuple[StepMessage, Ack]]:
-        tracked = self._tracked.pop(request_id, None)
+    def _rejection(self, rejection: Rejection) -> list[tuple[StepMessage, Ack]]:
+        tracked = self._tracked.pop(rejection.request_id, None)
         if tracked is None:
             return []
-        code = ErrorCode.PROMPT_TOO_LONG if exc.field == "prompt" and "context" in str(exc) else ErrorCode.INVALID_REQUEST
-        return [(error_step(tracked.work.request, code, str(exc), exc.field), tracked.ack)]
+        exc = rejection.error
+        return [(error_step(tracked.work.request, wire_code(exc), str(exc), exc.field), tracked.ack)]
 
     def _echo(self, tracked: _Tracked) -> dict:
         request = tracked.work.request
@@ -175,8 +138,8 @@ class RunnerActor(Actor):
             logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                      top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
                         for lp in out.logprobs]
-        message = StepMessage(seq=tracked.seq, index=out.index, token_ids=out.new_token_ids, text=out.text,
-                              logprobs=logprobs, **self._echo(tracked))
+        message = StepMessage(seq=tracked.seq, index=out.index, token_ids=out.new_token_ids,
+                              text=out.text, logprobs=logprobs, **self._echo(tracked))
         tracked.seq += 1
         return message
 
@@ -203,18 +166,12 @@ class RunnerActor(Actor):
                        for i, o in sorted(tracked.finals.items())]
         session_messages = session_ids = None
         if request.session_id is not None:
-            reply = tracked.texts.get(0, "")
-            session_messages = (tracked.work.conversation + [{"role": "assistant", "content": reply}]
-                                if request.messages is not None else tracked.work.conversation)
-            session_ids = tracked.work.prompt_token_ids + tracked.token_ids.get(0, [])
-        stop_reason = first.stop_reason
-        if request.request_id in self.expired:
-            self.expired.discard(request.request_id)
-            stop_reason = "deadline"
+            session_messages, session_ids = remembered_turn(
+                tracked.work, tracked.texts.get(0, ""), tracked.token_ids.get(0, []))
         message = StepMessage(seq=tracked.seq, finished=True, finish_reason=first.finish_reason,
-                              stop_reason=stop_reason, usage=usage, timings=timings,
-                              full_text=tracked.texts.get(0, ""), choices=choices,
-                              session_messages=session_messages, session_token_ids=session_ids,
-                              **self._echo(tracked))
+                              stop_reason="deadline" if tracked.expired else first.stop_reason,
+                              usage=usage, timings=timings, full_text=tracked.texts.get(0, ""),
+                              choices=choices, session_messages=session_messages,
+                              session_token_ids=session_ids, **self._echo(tracked))
         tracked.seq += 1
         return message

@@ -15,7 +15,7 @@ import time
 
 from sluice.actors.messages import Envelope, TokenizedRequest
 from sluice.actors.runtime import Actor
-from sluice.actors.tokenizer_actor import error_step
+from sluice.actors.errors import error_step
 from sluice.actors.transport import Sink
 from sluice.schemas.events import ErrorCode
 

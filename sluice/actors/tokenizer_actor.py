@@ -11,23 +11,17 @@ import logging
 import time
 
 from sluice.actors.conversation import build_prompt
-from sluice.actors.messages import Envelope, StepMessage, TokenizedRequest
+from sluice.actors.errors import error_step, wire_code
+from sluice.actors.messages import Envelope, TokenizedRequest
 from sluice.actors.runtime import Actor
 from sluice.actors.transport import Sink
 from sluice.connectors.sessions import SessionStore
+from sluice.engine.errors import EngineError, check_prompt_fits
 from sluice.engine.tokenizer import Tokenizer
-from sluice.schemas import ErrorEvent, GenerateRequest
+from sluice.schemas import GenerateRequest
 from sluice.schemas.events import ErrorCode
 
 log = logging.getLogger(__name__)
-
-
-def error_step(request: GenerateRequest, code: str, message: str, field: str | None = None) -> StepMessage:
-    """An error for a request that never reached a runner: its only event, seq 0."""
-    event = ErrorEvent.for_request(request, code, message, field=field, seq=0)
-    return StepMessage(request_id=request.request_id, seq=0, finished=True, finish_reason="error",
-                       error=event, reply_topic=request.reply_topic, session_id=request.session_id,
-                       tenant=request.tenant, metadata=request.metadata)
 
 
 class TokenizerActor(Actor):
@@ -52,14 +46,13 @@ class TokenizerActor(Actor):
             if record is not None:
                 history_messages, history_ids = record.messages, record.token_ids
         prompt = build_prompt(self.tokenizer, request, history_messages, history_ids)
-        if len(prompt.token_ids) >= self.max_model_len:
-            field = "messages" if request.messages is not None else "prompt"
-            await self._reject(
-                envelope, ErrorCode.PROMPT_TOO_LONG,
-                f"{field}: the prompt is {len(prompt.token_ids)} tokens"
-                + (f" ({prompt.history_tokens} from earlier turns of the session)" if prompt.history_tokens else "")
-                + f"; the model's context is {self.max_model_len} tokens and one must be left to generate",
-                field)
+        try:
+            check_prompt_fits(
+                len(prompt.token_ids), self.max_model_len,
+                field="messages" if request.messages is not None else "prompt",
+                detail=f" ({prompt.history_tokens} from earlier turns of the session)" if prompt.history_tokens else "")
+        except EngineError as exc:
+            await self._reject(envelope, wire_code(exc), str(exc), exc.field)
             return
         work = TokenizedRequest(request=request, prompt_token_ids=prompt.token_ids,
                                 conversation=prompt.messages, history_tokens=prompt.history_tokens,

@@ -1,0 +1,77 @@
+"""The runner's engine thread: accept tokenized requests, step the engine, abort at deadlines.
+
+Everything here runs on that one thread, the only one that touches the engine (`ThreadedWorker`
+calls `accept`, `has_work` and `step`); what a step produced travels to the event loop as a
+`StepResult`, where `RunnerActor` tracks requests and builds messages. The two share nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from sluice.actors.messages import TokenizedRequest
+from sluice.engine import EngineError, LLMEngine, SamplingParams, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rejection:
+    request_id: str
+    error: EngineError  # why the engine would not take it
+
+
+@dataclass
+class StepResult:
+    rejections: list[Rejection] = field(default_factory=list)
+    outputs: list[StepOutput] = field(default_factory=list)
+    # Aborted at their deadline this step; their final outputs are among `outputs`.
+    expired: list[str] = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._rejections: list[Rejection] = []  # since the last step
+        self._deadlines: dict[str, float] = {}  # request id -> unix deadline
+
+    def accept(self, work: TokenizedRequest) -> None:
+        request = work.request
+        try:
+            self.engine.add_request(
+                request.request_id, prompt_token_ids=work.prompt_token_ids,
+                params=SamplingParams(**request.sampling_kwargs()),
+                priority=request.priority, cache_salt=request.tenant,
+            )
+        except EngineError as exc:
+            self._rejections.append(Rejection(request.request_id, exc))
+            return
+        if request.deadline is not None:
+            self._deadlines[request.request_id] = request.deadline
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished() or bool(self._rejections)
+
+    def step(self) -> StepResult:
+        expired = self._abort_expired()
+        rejections, self._rejections = self._rejections, []
+        outputs = self.engine.step() if self.engine.has_unfinished() else []
+        return StepResult(rejections, outputs, expired)
+
+    def _abort_expired(self) -> list[str]:
+        """Abort requests past their deadline: their final output (finish_reason "abort") keeps
+        the tokens already produced."""
+        if not self._deadlines:
+            return []
+        now, expired = time.time(), []
+        for request_id, deadline in list(self._deadlines.items()):
+            if not self.engine.has_request(request_id):
+                del self._deadlines[request_id]
+            elif deadline < now:
+                del self._deadlines[request_id]
+                expired.append(request_id)
+                self.engine.abort(request_id)
+                log.info("request %s passed its deadline while generating: aborted", request_id)
+        return expired
