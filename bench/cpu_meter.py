@@ -3,6 +3,7 @@
 This machine is shared: a phase whose cores were taken by other processes (another benchmark, the
 Kafka broker, a client) is slower for that alone, so the benchmarks report it beside each figure.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,9 @@ class Timed:
     def __exit__(self, *exc):
         self.wall = time.perf_counter() - self.wall
         self.cpu = process_cpu_s(self.pid) - self.cpu
-        self.others_cores = max(0.0, (cpu_busy_s() - self.busy - self.cpu) / self.wall) if self.wall else 0.0
+        self.others_cores = (
+            max(0.0, (cpu_busy_s() - self.busy - self.cpu) / self.wall) if self.wall else 0.0
+        )
 
     def as_dict(self) -> dict:
         return {"elapsed_s": self.wall, "cpu_s": self.cpu, "others_cores": self.others_cores}

@@ -47,6 +47,7 @@ SPECIAL_TOKENS = 17  # SmolLM2's ids 0..16 are special tokens; prompts use ordin
 
 # --- helpers shared by the subprocesses ---------------------------------------------------------
 
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -123,7 +124,9 @@ def least_disturbed(run, retries: int, wait_idle: float, label: str):
     best = None
     for attempt in range(retries + 1):
         if attempt:
-            log(f"  {label}: other processes used {best[0].others_cores:.2f} cores meanwhile; running it again")
+            log(
+                f"  {label}: other processes used {best[0].others_cores:.2f} cores meanwhile; running it again"
+            )
         wait_for_idle(wait_idle)
         got = run()
         if best is None or got[0].others_cores < best[0].others_cores:
@@ -150,14 +153,16 @@ class Progress:
             self.last = now
             el = now - self.start
             rate = done / el if el > 0 else 0.0
-            log(f"  {self.label}: {done}/{self.total} tokens, {el:.0f} s, {rate:.1f} tok/s (load {loadavg():.2f})")
+            log(
+                f"  {self.label}: {done}/{self.total} tokens, {el:.0f} s, {rate:.1f} tok/s (load {loadavg():.2f})"
+            )
 
 
 # --- phase: matmul roof ------------------------------------------------------------------------
 
+
 def run_roof(a) -> dict:
     torch = setup_torch(a.threads)
-    import torch.nn.functional as F
 
     from sluice.engine.loader import load_model
 
@@ -166,10 +171,14 @@ def run_roof(a) -> dict:
     h, i, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     qkv = cfg.q_size + 2 * cfg.kv_size
     layer_shapes = [(qkv, h), (h, cfg.q_size), (2 * i, h), (h, i)]
-    params_matmul = L * sum(n * k for n, k in layer_shapes) + v * h  # LM head (tied or not) is a matmul
+    params_matmul = (
+        L * sum(n * k for n, k in layer_shapes) + v * h
+    )  # LM head (tied or not) is a matmul
     params_total = params_matmul + (0 if cfg.tie_word_embeddings else v * h) + L * 2 * h + h
     g = torch.Generator().manual_seed(0)
-    weights = [[torch.randn(n, k, generator=g).to(dtype) for n, k in layer_shapes] for _ in range(L)]
+    weights = [
+        [torch.randn(n, k, generator=g).to(dtype) for n, k in layer_shapes] for _ in range(L)
+    ]
     head = torch.randn(v, h, generator=g).to(dtype)
     # Both kernels the engine may use: F.linear (BLAS) and oneDNN on prepacked weights.
     from sluice.engine.weights import pack_linear_weight, packed_linear
@@ -180,7 +189,10 @@ def run_roof(a) -> dict:
     kernels = {"F.linear": (weights, head)}
     packed_head = pack_linear_weight(head)
     if packed_head is not None:
-        kernels["oneDNN packed"] = ([[pack_linear_weight(w) for w in ws] for ws in weights], packed_head)
+        kernels["oneDNN packed"] = (
+            [[pack_linear_weight(w) for w in ws] for ws in weights],
+            packed_head,
+        )
     rates, kernel_rates = {}, {}
     for m in a.roof_rows:
         xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {h, cfg.q_size, i}}
@@ -207,7 +219,11 @@ def run_roof(a) -> dict:
             _, best, _ = least_disturbed(timed_passes, a.retries, a.wait_idle, f"roof M={m} {name}")
             kernel_rates.setdefault(name, {})[str(m)] = 2 * params_matmul * m / best / 1e9
         rates[m] = max(kr[str(m)] for kr in kernel_rates.values())
-        log(f"  roof M={m}: " + ", ".join(f"{n} {kr[str(m)]:.1f}" for n, kr in kernel_rates.items()) + " GFLOP/s")
+        log(
+            f"  roof M={m}: "
+            + ", ".join(f"{n} {kr[str(m)]:.1f}" for n, kr in kernel_rates.items())
+            + " GFLOP/s"
+        )
     peak_m = max(rates, key=rates.get)
     return {
         "rates_gflops": {str(m): r for m, r in rates.items()},
@@ -223,6 +239,7 @@ def run_roof(a) -> dict:
 
 
 # --- phase: sluice -----------------------------------------------------------------------------
+
 
 def run_sluice(a) -> dict:
     torch = setup_torch(a.threads)
@@ -243,11 +260,15 @@ def run_sluice(a) -> dict:
     params = SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True)
 
     log("sluice: warm-up")
-    engine.generate(prompt_token_ids=[p[:48] for p in prompts[:4]],
-                    params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.generate(
+        prompt_token_ids=[p[:48] for p in prompts[:4]],
+        params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    )
 
     log(f"sluice: single request, {len(single)} tokens in, {w['single_output_len']} out")
-    single_params = SamplingParams(temperature=0, max_tokens=w["single_output_len"], ignore_eos=True)
+    single_params = SamplingParams(
+        temperature=0, max_tokens=w["single_output_len"], ignore_eos=True
+    )
 
     def single_run():
         engine.scheduler.block_manager.reset_prefix_cache()
@@ -261,7 +282,9 @@ def run_sluice(a) -> dict:
                         tokens += out.new_token_ids
         return timed, (stamps, tokens)
 
-    single_timed, (stamps, single_tokens), _ = least_disturbed(single_run, a.retries, a.wait_idle, "sluice single")
+    single_timed, (stamps, single_tokens), _ = least_disturbed(
+        single_run, a.retries, a.wait_idle, "sluice single"
+    )
     per_token = [b - a_ for a_, b in zip(stamps, stamps[1:])]
 
     log(f"sluice: {len(prompts)} requests x {w['output_len']} tokens, all submitted at once")
@@ -284,7 +307,9 @@ def run_sluice(a) -> dict:
         assert done == total, (done, total)
         return timed, (steps, tokens, rss_peak_mib())
 
-    timed, (steps, tokens, batch_peak), attempts = least_disturbed(batch_run, a.retries, a.wait_idle, "sluice")
+    timed, (steps, tokens, batch_peak), attempts = least_disturbed(
+        batch_run, a.retries, a.wait_idle, "sluice"
+    )
     kv = engine.runner.kv_caches
     return {
         "prompt_digest": digest([prompts, single]),
@@ -306,6 +331,7 @@ def run_sluice(a) -> dict:
 
 # --- phase: HF transformers --------------------------------------------------------------------
 
+
 def run_hf(a) -> dict:
     torch = setup_torch(a.threads)
     import transformers
@@ -317,8 +343,9 @@ def run_hf(a) -> dict:
     w = json.loads(a.workload)
     path = default_model_path()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=getattr(torch, a.dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=getattr(torch, a.dtype)
+    ).eval()
     load_s = time.perf_counter() - t0
     load_peak = rss_peak_mib()
     prompts, single = workload(w, model.config.vocab_size)
@@ -336,11 +363,16 @@ def run_hf(a) -> dict:
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for r, p in enumerate(batch):  # left padding: every row's last prompt token is at the end
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new,
-                                 min_new_tokens=0, streamer=streamer)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n_new,
+                min_new_tokens=0,
+                streamer=streamer,
+            )
         new = out[:, width:]
         assert new.shape[1] == n_new, (new.shape, n_new)
         return new.tolist()
@@ -366,7 +398,9 @@ def run_hf(a) -> dict:
             tokens = generate([single], w["single_output_len"], streamer=stamps)[0]
         return timed, (stamps, tokens)
 
-    single_timed, (s, single_tokens), _ = least_disturbed(single_run, a.retries, a.wait_idle, "hf single")
+    single_timed, (s, single_tokens), _ = least_disturbed(
+        single_run, a.retries, a.wait_idle, "hf single"
+    )
     token_times = s.times[1:]  # the first put() is the prompt
     per_token = [b - a_ for a_, b in zip(token_times, token_times[1:])]
 
@@ -381,11 +415,13 @@ def run_hf(a) -> dict:
             outputs = []
             with Timed() as timed:
                 for start in range(0, len(prompts), bs):
-                    outputs += generate(prompts[start:start + bs], w["output_len"])
+                    outputs += generate(prompts[start : start + bs], w["output_len"])
                     progress.update(len(outputs) * w["output_len"])
             return timed, (outputs, rss_peak_mib())
 
-        timed, (outputs, peak), attempts = least_disturbed(batch_run, a.retries, a.wait_idle, f"hf batch {bs}")
+        timed, (outputs, peak), attempts = least_disturbed(
+            batch_run, a.retries, a.wait_idle, f"hf batch {bs}"
+        )
         runs[str(bs)] = {
             "throughput_tok_s": total / timed.wall,
             **timed.as_dict(),
@@ -420,11 +456,31 @@ def child(a) -> None:
 
 def spawn(phase: str, a, w: dict, argv_extra: list[str]) -> dict:
     out = RESULTS.parent / f".{phase}.{os.getpid()}.json"  # concurrent runs must not share it
-    cmd = [sys.executable, __file__, "--phase", phase, "--out", str(out), "--workload", json.dumps(w),
-           "--dtype", a.dtype, "--threads", str(a.threads), "--wait-idle", str(a.wait_idle),
-           "--retries", str(a.retries), *argv_extra]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
-               TOKENIZERS_PARALLELISM="false")
+    cmd = [
+        sys.executable,
+        __file__,
+        "--phase",
+        phase,
+        "--out",
+        str(out),
+        "--workload",
+        json.dumps(w),
+        "--dtype",
+        a.dtype,
+        "--threads",
+        str(a.threads),
+        "--wait-idle",
+        str(a.wait_idle),
+        "--retries",
+        str(a.retries),
+        *argv_extra,
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(a.threads),
+        MKL_NUM_THREADS=str(a.threads),
+        TOKENIZERS_PARALLELISM="false",
+    )
     t = time.perf_counter()
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     log(f"{phase}: done in {time.perf_counter() - t:.0f} s")
@@ -448,31 +504,53 @@ def matches(a_: list[list[int]], b: list[list[int]]) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a smaller version (under a minute)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--num-requests", type=int)
     p.add_argument("--output-len", type=int)
     p.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--max-num-batched-tokens", type=int, help="sluice's per-step token budget (default: the engine's)")
-    p.add_argument("--kv-cache-mib", type=int,
-                   help="sluice's KV budget (default: enough for every request at full length)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="sluice's per-step token budget (default: the engine's)",
+    )
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        help="sluice's KV budget (default: enough for every request at full length)",
+    )
     p.add_argument("--skip", default="", help="comma-separated phases to skip: roof,sluice,hf")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
-                   help="before each timed phase, wait up to this long for other processes to leave the CPUs")
-    p.add_argument("--retries", type=int, default=0,
-                   help="run a workload again (up to N more times) when other processes disturbed it; "
-                        "the least disturbed run counts")
+    p.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="before each timed phase, wait up to this long for other processes to leave the CPUs",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="run a workload again (up to N more times) when other processes disturbed it; "
+        "the least disturbed run counts",
+    )
     p.add_argument("--json", type=Path, default=RESULTS)
     # subprocess plumbing
     p.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--roof-rows", type=lambda s: [int(x) for x in s.split(",")], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--roof-rows", type=lambda s: [int(x) for x in s.split(",")], help=argparse.SUPPRESS
+    )
     p.add_argument("--roof-seconds", type=float, default=2.0, help=argparse.SUPPRESS)
-    p.add_argument("--table-from", type=Path, metavar="JSON", help="print the table of an earlier run and exit")
+    p.add_argument(
+        "--table-from", type=Path, metavar="JSON", help="print the table of an earlier run and exit"
+    )
     a = p.parse_args()
     if a.phase:
         return child(a)
@@ -480,24 +558,42 @@ def main() -> None:
         return summarize(json.loads(a.table_from.read_text()))
 
     if a.quick:
-        w = dict(num_requests=8, prompt_min=32, prompt_max=128, output_len=16,
-                 single_prompt_len=64, single_output_len=16)
+        w = dict(
+            num_requests=8,
+            prompt_min=32,
+            prompt_max=128,
+            output_len=16,
+            single_prompt_len=64,
+            single_output_len=16,
+        )
         hf_bs, roof_rows, roof_s = [4, 8], [1, 64, 256], 0.2
     else:
-        w = dict(num_requests=64, prompt_min=32, prompt_max=512, output_len=128,
-                 single_prompt_len=128, single_output_len=128)
+        w = dict(
+            num_requests=64,
+            prompt_min=32,
+            prompt_max=512,
+            output_len=128,
+            single_prompt_len=128,
+            single_output_len=128,
+        )
         hf_bs, roof_rows, roof_s = [8, 16, 32, 64], [1, 16, 64, 256, 2048], 2.0
     w["seed"] = a.seed
     if a.num_requests:
         w["num_requests"] = a.num_requests
     if a.output_len:
         w["output_len"] = w["single_output_len"] = a.output_len
-    hf_bs = [b for b in (a.hf_batch_sizes or hf_bs) if b <= w["num_requests"]] or [w["num_requests"]]
+    hf_bs = [b for b in (a.hf_batch_sizes or hf_bs) if b <= w["num_requests"]] or [
+        w["num_requests"]
+    ]
     if a.kv_cache_mib is None:  # every request at full length at once, plus the single request
-        per_token = 2 * 30 * 3 * 64 * (4 if a.dtype == "float32" else 2)  # SmolLM2: 30 layers, 3 KV heads of 64
+        per_token = (
+            2 * 30 * 3 * 64 * (4 if a.dtype == "float32" else 2)
+        )  # SmolLM2: 30 layers, 3 KV heads of 64
         tokens = (w["num_requests"] + 1) * (w["prompt_max"] + w["output_len"] + 16)
         a.kv_cache_mib = max(64, -(-tokens * per_token // 2**20))
-    w["prompt_tokens"] = sum(len(p) for p in workload(w, 49152)[0])  # lengths do not depend on the vocab
+    w["prompt_tokens"] = sum(
+        len(p) for p in workload(w, 49152)[0]
+    )  # lengths do not depend on the vocab
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
 
@@ -506,8 +602,12 @@ def main() -> None:
     res: dict = {}
     if "roof" not in skip:
         log("roof: matmul rate at the model's shapes")
-        res["roof"] = spawn("roof", a, w, ["--roof-rows", ",".join(map(str, roof_rows)),
-                                           "--roof-seconds", str(roof_s)])
+        res["roof"] = spawn(
+            "roof",
+            a,
+            w,
+            ["--roof-rows", ",".join(map(str, roof_rows)), "--roof-seconds", str(roof_s)],
+        )
     if "sluice" not in skip:
         log("sluice: load + run")
         extra = ["--kv-cache-mib", str(a.kv_cache_mib)]
@@ -522,9 +622,16 @@ def main() -> None:
 
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "command": " ".join([os.path.relpath(sys.executable, ROOT), "bench/engine_throughput.py", *sys.argv[1:]]),
-        "machine": {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": a.threads, "python": platform.python_version()},
+        "command": " ".join(
+            [os.path.relpath(sys.executable, ROOT), "bench/engine_throughput.py", *sys.argv[1:]]
+        ),
+        "machine": {
+            "cpu": cpu_model(),
+            "logical_cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": a.threads,
+            "python": platform.python_version(),
+        },
         "dtype": a.dtype,
         "workload": w,
         **res,
@@ -545,12 +652,26 @@ def summarize(r: dict) -> None:
     best = None
     if h:
         for bs, run in h["batches"].items():
-            rows.append((f"HF generate, batch {bs}", run["throughput_tok_s"], run["peak_rss_mib"], run["others_cores"]))
+            rows.append(
+                (
+                    f"HF generate, batch {bs}",
+                    run["throughput_tok_s"],
+                    run["peak_rss_mib"],
+                    run["others_cores"],
+                )
+            )
         best_bs = max(h["batches"], key=lambda b: h["batches"][b]["throughput_tok_s"])
         h["best_batch_size"] = int(best_bs)
         best = h["batches"][best_bs]
     if s:
-        rows.append(("sluice, all at once", s["throughput_tok_s"], s["batch_peak_rss_mib"], s["others_cores"]))
+        rows.append(
+            (
+                "sluice, all at once",
+                s["throughput_tok_s"],
+                s["batch_peak_rss_mib"],
+                s["others_cores"],
+            )
+        )
     summary: dict = {}
     if s and h:
         summary["throughput_ratio"] = s["throughput_tok_s"] / best["throughput_tok_s"]
@@ -563,24 +684,34 @@ def summarize(r: dict) -> None:
     flops = 0.0
     if roof:
         layers = roof["params_matmul"] - roof["params_head"]
-        flops = 2 * (w["prompt_tokens"] * layers + n * roof["params_head"] + n * (out_len - 1) * roof["params_matmul"])
+        flops = 2 * (
+            w["prompt_tokens"] * layers
+            + n * roof["params_head"]
+            + n * (out_len - 1) * roof["params_matmul"]
+        )
         summary["useful_gflop"] = flops / 1e9
         rt = roof["roof_tok_s"]
         for key, side in (("sluice", s), ("hf", best)):
             if side:
                 summary[f"{key}_fraction_of_roof"] = side["throughput_tok_s"] / rt
-                summary[f"{key}_matmul_utilization"] = flops / side["elapsed_s"] / (roof["peak_gflops"] * 1e9)
+                summary[f"{key}_matmul_utilization"] = (
+                    flops / side["elapsed_s"] / (roof["peak_gflops"] * 1e9)
+                )
         for key, side in (("sluice", s), ("hf", h)):
             if side:
                 summary[f"{key}_single_fraction_of_roof"] = 1000 / side["single_ms_per_token"] / rt
     r["summary"] = summary
 
     print()
-    print(f"SmolLM2-135M ({r['dtype']}), {r['machine']['threads']} threads, {r['machine']['cpu']}, "
-          f"torch {r['machine']['torch']}; {n} requests, prompts {w['prompt_min']}-{w['prompt_max']} tokens "
-          f"({w['prompt_tokens']} in all), {out_len} out each")
-    print(f"{'':24} {'output tok/s':>12} {'x HF best':>9} {'of roof':>8} {'matmul util':>11} "
-          f"{'peak RSS MiB':>12} {'others':>6}")
+    print(
+        f"SmolLM2-135M ({r['dtype']}), {r['machine']['threads']} threads, {r['machine']['cpu']}, "
+        f"torch {r['machine']['torch']}; {n} requests, prompts {w['prompt_min']}-{w['prompt_max']} tokens "
+        f"({w['prompt_tokens']} in all), {out_len} out each"
+    )
+    print(
+        f"{'':24} {'output tok/s':>12} {'x HF best':>9} {'of roof':>8} {'matmul util':>11} "
+        f"{'peak RSS MiB':>12} {'others':>6}"
+    )
     for name, tps, peak, others in rows:
         ratio = f"{tps / best['throughput_tok_s']:.2f}" if best else "-"
         frac = f"{tps / roof['roof_tok_s']:.1%}" if roof else "-"
@@ -588,27 +719,45 @@ def summarize(r: dict) -> None:
         peak_s = "-" if peak is None else f"{peak:.0f}"
         print(f"{name:24} {tps:12.1f} {ratio:>9} {frac:>8} {util:>11} {peak_s:>12} {others:6.2f}")
     print()
-    print(f"single request ({w['single_prompt_len']} in, {w['single_output_len']} out), median decode time per token:")
+    print(
+        f"single request ({w['single_prompt_len']} in, {w['single_output_len']} out), median decode time per token:"
+    )
     for name, side in (("sluice", s), ("HF generate", h)):
         if side:
-            frac = f", {1000 / side['single_ms_per_token'] / roof['roof_tok_s']:.1%} of roof" if roof else ""
-            print(f"  {name:12} {side['single_ms_per_token']:7.2f} ms/token ({1000 / side['single_ms_per_token']:.1f} tok/s"
-                  f"{frac}; others {side['single_others_cores']:.2f} cores)")
+            frac = (
+                f", {1000 / side['single_ms_per_token'] / roof['roof_tok_s']:.1%} of roof"
+                if roof
+                else ""
+            )
+            print(
+                f"  {name:12} {side['single_ms_per_token']:7.2f} ms/token ({1000 / side['single_ms_per_token']:.1f} tok/s"
+                f"{frac}; others {side['single_others_cores']:.2f} cores)"
+            )
     if roof:
         rates = ", ".join(f"M={m}: {v:.0f}" for m, v in roof["rates_gflops"].items())
-        print(f"matmul roof at the model's shapes, best kernel (GFLOP/s): {rates}; peak {roof['peak_gflops']:.0f}"
-              f" -> {roof['roof_tok_s']:.0f} tok/s for {roof['params_matmul'] / 1e6:.1f}M matmul parameters")
+        print(
+            f"matmul roof at the model's shapes, best kernel (GFLOP/s): {rates}; peak {roof['peak_gflops']:.0f}"
+            f" -> {roof['roof_tok_s']:.0f} tok/s for {roof['params_matmul'] / 1e6:.1f}M matmul parameters"
+        )
     if s:
-        print(f"sluice: load peak RSS {s['load_peak_rss_mib']:.0f} MiB, KV cache {s['kv_cache_mib']:.0f} MiB, "
-              f"{s['steps']} steps, max_num_batched_tokens {s['max_num_batched_tokens']}")
+        print(
+            f"sluice: load peak RSS {s['load_peak_rss_mib']:.0f} MiB, KV cache {s['kv_cache_mib']:.0f} MiB, "
+            f"{s['steps']} steps, max_num_batched_tokens {s['max_num_batched_tokens']}"
+        )
     if h:
-        print(f"HF: load peak RSS {h['load_peak_rss_mib']:.0f} MiB; best batch size {h['best_batch_size']}; "
-              f"attention {h['attn_implementation']}; transformers {h['transformers']}")
+        print(
+            f"HF: load peak RSS {h['load_peak_rss_mib']:.0f} MiB; best batch size {h['best_batch_size']}; "
+            f"attention {h['attn_implementation']}; transformers {h['transformers']}"
+        )
     if s and h:
-        print(f"sluice / HF best: throughput x{summary['throughput_ratio']:.2f}; single-request time per "
-              f"token x{summary['single_time_ratio']:.2f} (lower is better); identical greedy outputs "
-              f"{summary['outputs_identical']}/{n} (batch), single {'yes' if summary['single_identical'] else 'no'}")
-    print("others = cores other processes kept busy meanwhile (a shared machine); above ~0.2 the figure is low")
+        print(
+            f"sluice / HF best: throughput x{summary['throughput_ratio']:.2f}; single-request time per "
+            f"token x{summary['single_time_ratio']:.2f} (lower is better); identical greedy outputs "
+            f"{summary['outputs_identical']}/{n} (batch), single {'yes' if summary['single_identical'] else 'no'}"
+        )
+    print(
+        "others = cores other processes kept busy meanwhile (a shared machine); above ~0.2 the figure is low"
+    )
 
 
 if __name__ == "__main__":

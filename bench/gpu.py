@@ -93,7 +93,11 @@ if str(BENCH) not in sys.path:
 from gpu_common import Ctx, MissingKernel, cuda_healthy, log  # noqa: E402
 from gpu_device import bandwidth, device_facts  # noqa: E402
 from gpu_engine import (  # noqa: E402
-    DEFAULT_ENGINE_VARIANTS, ENGINE_VARIANTS, SMOKE_ENGINE_VARIANTS, engine_variant)
+    DEFAULT_ENGINE_VARIANTS,
+    ENGINE_VARIANTS,
+    SMOKE_ENGINE_VARIANTS,
+    engine_variant,
+)
 from gpu_kernels_elementwise import cases_activation, cases_norm, cases_rotary  # noqa: E402
 from gpu_kernels_int8_linear import cases_int8_linear  # noqa: E402
 from gpu_kernels_kv import cases_kv_cache, cases_paged_attention  # noqa: E402
@@ -102,14 +106,19 @@ from gpu_report import print_table, write_json  # noqa: E402
 
 # kernel unit -> its cases, in the order they run
 KERNEL_CASES = {
-    "norm": cases_norm, "activation": cases_activation, "rotary": cases_rotary,
-    "kv_cache": cases_kv_cache, "paged_attention": cases_paged_attention,
-    "sampling": cases_sampling, "int8_linear": cases_int8_linear,
+    "norm": cases_norm,
+    "activation": cases_activation,
+    "rotary": cases_rotary,
+    "kv_cache": cases_kv_cache,
+    "paged_attention": cases_paged_attention,
+    "sampling": cases_sampling,
+    "int8_linear": cases_int8_linear,
 }
 KERNEL_UNITS = tuple(KERNEL_CASES)
 
 
 # --- the runner -----------------------------------------------------------------------------------
+
 
 def resolve_units(spec: str, smoke: bool, engine_variants: list[str]) -> list[str]:
     units = []
@@ -127,8 +136,10 @@ def resolve_units(spec: str, smoke: bool, engine_variants: list[str]) -> list[st
         elif part.startswith("engine:") and part.removeprefix("engine:") in ENGINE_VARIANTS:
             units.append(part)
         else:
-            raise SystemExit(f"unknown section {part!r}: use device, kernels, engine, "
-                             f"{', '.join(KERNEL_UNITS)}, or engine:<{'|'.join(ENGINE_VARIANTS)}>")
+            raise SystemExit(
+                f"unknown section {part!r}: use device, kernels, engine, "
+                f"{', '.join(KERNEL_UNITS)}, or engine:<{'|'.join(ENGINE_VARIANTS)}>"
+            )
     seen = set()
     return [u for u in units if not (u in seen or seen.add(u))]
 
@@ -151,7 +162,7 @@ class Runner:
             lost = self.run_unit(unit, first_case)
             self.write_partial()
             if lost is not None:
-                rest = units[ui + 1:]
+                rest = units[ui + 1 :]
                 if lost[1] is not None:
                     rest = [unit] + rest
                 if rest:
@@ -167,15 +178,34 @@ class Runner:
                 cases = KERNEL_CASES[name](ctx)
             except MissingKernel as e:
                 log(f"kernels {name}: missing ({e})")
-                self.add_rows("kernels", [{"unit": name, "kernel": name, "case": "-",
-                                           "status": "missing", "why": str(e)}])
+                self.add_rows(
+                    "kernels",
+                    [
+                        {
+                            "unit": name,
+                            "kernel": name,
+                            "case": "-",
+                            "status": "missing",
+                            "why": str(e),
+                        }
+                    ],
+                )
                 return None
             except Exception as e:  # noqa: BLE001
                 log(f"kernels {name}: import failed: {type(e).__name__}: {e}")
-                self.add_rows("kernels", [{"unit": name, "kernel": name, "case": "-",
-                                           "status": "error",
-                                           "why": f"import: {type(e).__name__}: {e}",
-                                           "traceback": traceback.format_exc(limit=6)}])
+                self.add_rows(
+                    "kernels",
+                    [
+                        {
+                            "unit": name,
+                            "kernel": name,
+                            "case": "-",
+                            "status": "error",
+                            "why": f"import: {type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc(limit=6),
+                        }
+                    ],
+                )
                 return None if cuda_healthy(ctx.device) else (unit, None)
             for ci, case in enumerate(cases):
                 if ci < first_case:
@@ -189,25 +219,35 @@ class Runner:
                     row.update(res)
                     row["status"] = "pass" if res.get("ok") else "FAIL"
                 except Exception as e:  # noqa: BLE001
-                    row.update(status="error", why=f"{type(e).__name__}: {e}",
-                               traceback=traceback.format_exc(limit=8))
+                    row.update(
+                        status="error",
+                        why=f"{type(e).__name__}: {e}",
+                        traceback=traceback.format_exc(limit=8),
+                    )
                 row["wall_s"] = time.perf_counter() - t
                 row.pop("ok", None)
                 self.add_rows("kernels", [row])
-                log(f"  {case.kernel} {case.label}: {row['status']}"
+                log(
+                    f"  {case.kernel} {case.label}: {row['status']}"
                     + (f" ({row['why']})" if row.get("why") else "")
-                    + (f", {row['triton_us']:.1f} us, {row['gbs']:.0f} GB/s"
-                       if "triton_us" in row else ""))
+                    + (
+                        f", {row['triton_us']:.1f} us, {row['gbs']:.0f} GB/s"
+                        if "triton_us" in row
+                        else ""
+                    )
+                )
                 if row["status"] == "error" and (
-                        not cuda_healthy(ctx.device)
-                        or self.args.simulate_context_loss == f"{name}#{ci}"):
+                    not cuda_healthy(ctx.device)
+                    or self.args.simulate_context_loss == f"{name}#{ci}"
+                ):
                     log("  the CUDA context is lost; the rest continues in a fresh process")
                     return unit, ci + 1 if ci + 1 < len(cases) else None
             return None
         # engine
         if ctx.time_left() < (5 if ctx.smoke else 30):
-            self.add_rows("engine", [{"variant": name, "batch": "-", "status": "skipped",
-                                      "why": "budget"}])
+            self.add_rows(
+                "engine", [{"variant": name, "batch": "-", "status": "skipped", "why": "budget"}]
+            )
             return None
         a = self.args
         batches = (2,) if ctx.smoke else tuple(a.batches)
@@ -217,18 +257,37 @@ class Runner:
             rows = engine_variant(ctx, name, batches, prompt_len, steps, warm, self.tokens_seen)
             self.add_rows("engine", rows)
         except MissingKernel as e:
-            self.add_rows("engine", [{"variant": name, "batch": "-", "status": "missing",
-                                      "why": str(e)}])
+            self.add_rows(
+                "engine", [{"variant": name, "batch": "-", "status": "missing", "why": str(e)}]
+            )
         except Exception as e:  # noqa: BLE001
             if isinstance(e, ModuleNotFoundError) and (e.name or "").startswith(ctx.kernel_package):
                 log(f"  engine {name}: missing kernel module {e.name}")
-                self.add_rows("engine", [{"variant": name, "batch": "-", "status": "missing",
-                                          "why": f"kernel module {e.name} does not exist"}])
+                self.add_rows(
+                    "engine",
+                    [
+                        {
+                            "variant": name,
+                            "batch": "-",
+                            "status": "missing",
+                            "why": f"kernel module {e.name} does not exist",
+                        }
+                    ],
+                )
                 return None
             log(f"  engine {name}: {type(e).__name__}: {e}")
-            self.add_rows("engine", [{"variant": name, "batch": "-", "status": "error",
-                                      "why": f"{type(e).__name__}: {e}",
-                                      "traceback": traceback.format_exc(limit=10)}])
+            self.add_rows(
+                "engine",
+                [
+                    {
+                        "variant": name,
+                        "batch": "-",
+                        "status": "error",
+                        "why": f"{type(e).__name__}: {e}",
+                        "traceback": traceback.format_exc(limit=10),
+                    }
+                ],
+            )
             if not cuda_healthy(ctx.device):
                 return unit, None
         return None
@@ -238,19 +297,43 @@ class Runner:
         left = ctx.time_left()
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "child.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--sections", ",".join(units),
-                   "--resume-case", str(resume_case), "--json", str(out), "--child",
-                   "--budget-s", str(max(left, 1.0)), "--grace-s", str(max(5.0, a.grace_s - 15)),
-                   "--seed", str(ctx.seed + 7),
-                   "--copy-gbs", str(ctx.copy_gbs or 0), "--read-gbs", str(ctx.read_gbs or 0),
-                   "--prompt-len", str(a.prompt_len), "--decode-steps", str(a.decode_steps),
-                   "--batches", ",".join(map(str, a.batches)), "--kernel-package", a.kernel_package,
-                   "--engine-variants", ",".join(a.engine_variants)]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--sections",
+                ",".join(units),
+                "--resume-case",
+                str(resume_case),
+                "--json",
+                str(out),
+                "--child",
+                "--budget-s",
+                str(max(left, 1.0)),
+                "--grace-s",
+                str(max(5.0, a.grace_s - 15)),
+                "--seed",
+                str(ctx.seed + 7),
+                "--copy-gbs",
+                str(ctx.copy_gbs or 0),
+                "--read-gbs",
+                str(ctx.read_gbs or 0),
+                "--prompt-len",
+                str(a.prompt_len),
+                "--decode-steps",
+                str(a.decode_steps),
+                "--batches",
+                ",".join(map(str, a.batches)),
+                "--kernel-package",
+                a.kernel_package,
+                "--engine-variants",
+                ",".join(a.engine_variants),
+            ]
             if ctx.smoke:
                 cmd.append("--smoke")
             log(f"child process for: {', '.join(units)} (from case {resume_case})")
-            self.report.setdefault("children", []).append({"units": units,
-                                                           "resume_case": resume_case})
+            self.report.setdefault("children", []).append(
+                {"units": units, "resume_case": resume_case}
+            )
             try:
                 subprocess.run(cmd, timeout=max(left, 1.0) + a.grace_s, check=False)
             except subprocess.TimeoutExpired:
@@ -261,9 +344,18 @@ class Runner:
                     self.add_rows(key, child.get(key, []))
                 self.report.setdefault("children", []).extend(child.get("children", []))
             else:
-                self.add_rows("kernels", [{"unit": units[0], "kernel": units[0], "case": "-",
-                                           "status": "error",
-                                           "why": "the child process wrote no results"}])
+                self.add_rows(
+                    "kernels",
+                    [
+                        {
+                            "unit": units[0],
+                            "kernel": units[0],
+                            "case": "-",
+                            "status": "error",
+                            "why": "the child process wrote no results",
+                        }
+                    ],
+                )
 
     def write_partial(self) -> None:
         with self.lock:
@@ -273,35 +365,63 @@ class Runner:
 
 # --- main -----------------------------------------------------------------------------------------
 
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU, tiny shapes, Triton interpreter (implied without CUDA)")
-    p.add_argument("--sections", default="device,kernels,engine",
-                   help="comma list: device, kernels, engine, a kernel unit ("
-                   + ", ".join(KERNEL_UNITS)
-                   + ") or engine:<variant>; the device facts and bandwidth are always measured")
-    p.add_argument("--engine-variants", type=lambda s: [v for v in s.split(",") if v], default=None,
-                   help=f"engine variants for 'engine', in order "
-                   f"(default {','.join(DEFAULT_ENGINE_VARIANTS)}; "
-                   f"known: {','.join(ENGINE_VARIANTS)})")
-    p.add_argument("--budget-s", type=float, default=240.0,
-                   help="soft time budget: timing stops past it")
-    p.add_argument("--grace-s", type=float, default=40.0,
-                   help="the watchdog ends the run this long after the budget")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64],
-                   help="engine decode batch sizes (default 1,64)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny shapes, Triton interpreter (implied without CUDA)",
+    )
+    p.add_argument(
+        "--sections",
+        default="device,kernels,engine",
+        help="comma list: device, kernels, engine, a kernel unit ("
+        + ", ".join(KERNEL_UNITS)
+        + ") or engine:<variant>; the device facts and bandwidth are always measured",
+    )
+    p.add_argument(
+        "--engine-variants",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=None,
+        help=f"engine variants for 'engine', in order "
+        f"(default {','.join(DEFAULT_ENGINE_VARIANTS)}; "
+        f"known: {','.join(ENGINE_VARIANTS)})",
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=240.0, help="soft time budget: timing stops past it"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=40.0,
+        help="the watchdog ends the run this long after the budget",
+    )
+    p.add_argument(
+        "--batches",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 64],
+        help="engine decode batch sizes (default 1,64)",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="engine prompt tokens per request")
-    p.add_argument("--decode-steps", type=int, default=64,
-                   help="timed engine decode steps per batch size")
-    p.add_argument("--seed", type=int, default=None,
-                   help="default: a fresh one (recorded in the JSON)")
-    p.add_argument("--json", type=Path, default=None,
-                   help=f"results file (default {RESULTS.relative_to(ROOT)}, "
-                   f"or {SMOKE_RESULTS.name} beside it in smoke mode)")
-    p.add_argument("--table-from", type=Path, metavar="JSON",
-                   help="print the table of an earlier run and exit")
+    p.add_argument(
+        "--decode-steps", type=int, default=64, help="timed engine decode steps per batch size"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="default: a fresh one (recorded in the JSON)"
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help=f"results file (default {RESULTS.relative_to(ROOT)}, "
+        f"or {SMOKE_RESULTS.name} beside it in smoke mode)",
+    )
+    p.add_argument(
+        "--table-from", type=Path, metavar="JSON", help="print the table of an earlier run and exit"
+    )
     p.add_argument("--copy-gbs", type=float, default=0.0, help=argparse.SUPPRESS)  # child processes
     p.add_argument("--read-gbs", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--resume-case", type=int, default=0, help=argparse.SUPPRESS)
@@ -318,23 +438,34 @@ def main() -> int:
     a.json = a.json or (SMOKE_RESULTS if smoke else RESULTS)
     if smoke and not a.smoke:
         log("no CUDA device: running the smoke mode (CPU, tiny shapes, Triton interpreter)")
-    a.engine_variants = a.engine_variants or list(SMOKE_ENGINE_VARIANTS if smoke
-                                                  else DEFAULT_ENGINE_VARIANTS)
+    a.engine_variants = a.engine_variants or list(
+        SMOKE_ENGINE_VARIANTS if smoke else DEFAULT_ENGINE_VARIANTS
+    )
     unknown = [v for v in a.engine_variants if v not in ENGINE_VARIANTS]
     if unknown:
         raise SystemExit(f"unknown engine variant(s) {unknown}; known: {list(ENGINE_VARIANTS)}")
     units = resolve_units(a.sections, smoke, a.engine_variants)
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(3), "little")
     n_engine = sum(u.startswith("engine:") for u in units)
-    ctx = Ctx(smoke=smoke, device=torch.device("cpu" if smoke else "cuda"), dtype=torch.bfloat16,
-              seed=seed, started=time.perf_counter(), budget_s=a.budget_s,
-              engine_reserve_s=min(0.5 * a.budget_s, (8 if smoke else 25) * n_engine),
-              kernel_package=a.kernel_package)
+    ctx = Ctx(
+        smoke=smoke,
+        device=torch.device("cpu" if smoke else "cuda"),
+        dtype=torch.bfloat16,
+        seed=seed,
+        started=time.perf_counter(),
+        budget_s=a.budget_s,
+        engine_reserve_s=min(0.5 * a.budget_s, (8 if smoke else 25) * n_engine),
+        kernel_package=a.kernel_package,
+    )
     if smoke:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                    "command": " ".join(["bench/gpu.py", *sys.argv[1:]]), "seed": seed,
-                    "units": units, "budget_s": a.budget_s}
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(["bench/gpu.py", *sys.argv[1:]]),
+        "seed": seed,
+        "units": units,
+        "budget_s": a.budget_s,
+    }
     runner = Runner(ctx, a, report)
 
     def finish(code: int) -> None:
@@ -345,8 +476,11 @@ def main() -> int:
                 print_table(report)
             except Exception as e:  # noqa: BLE001  (the numbers are in the JSON anyway)
                 log(f"could not print the table: {type(e).__name__}: {e}")
-                print(json.dumps({k: report.get(k) for k in ("kernels", "engine")}, indent=1,
-                                 default=str))
+                print(
+                    json.dumps(
+                        {k: report.get(k) for k in ("kernels", "engine")}, indent=1, default=str
+                    )
+                )
             log(f"wrote {a.json}")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -373,19 +507,26 @@ def main() -> int:
             report["device"] = device_facts(ctx)
         except Exception as e:  # noqa: BLE001
             report["device"] = {"name": "?", "error": f"{type(e).__name__}: {e}", "smoke": smoke}
-        log(f"device: {report['device'].get('name')} torch {torch.__version__} "
-            f"triton {report['device'].get('triton')} seed {seed}")
+        log(
+            f"device: {report['device'].get('name')} torch {torch.__version__} "
+            f"triton {report['device'].get('triton')} seed {seed}"
+        )
         if a.copy_gbs:
             ctx.copy_gbs, ctx.read_gbs = a.copy_gbs, a.read_gbs or None
-            report["bandwidth"] = {"copy_gbs": a.copy_gbs, "read_gbs": a.read_gbs,
-                                   "from_parent": True}
+            report["bandwidth"] = {
+                "copy_gbs": a.copy_gbs,
+                "read_gbs": a.read_gbs,
+                "from_parent": True,
+            }
         else:
             try:
                 bw = bandwidth(ctx)
                 report["bandwidth"] = bw
                 ctx.copy_gbs, ctx.read_gbs = bw["copy_gbs"], bw["read_gbs"]
-                log(f"bandwidth: copy {bw['copy_gbs']:.0f} GB/s, read {bw['read_gbs']:.0f}, "
-                    f"write {bw['write_gbs']:.0f}")
+                log(
+                    f"bandwidth: copy {bw['copy_gbs']:.0f} GB/s, read {bw['read_gbs']:.0f}, "
+                    f"write {bw['write_gbs']:.0f}"
+                )
             except Exception as e:  # noqa: BLE001
                 report["bandwidth"] = {"error": f"{type(e).__name__}: {e}"}
                 log(f"bandwidth failed: {e}")
@@ -401,7 +542,6 @@ def main() -> int:
     with runner.lock:
         finish(code)
     return code
-
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ class MissingKernel(Exception):
 
 # --- the run's context ---------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Ctx:
     smoke: bool

@@ -13,7 +13,6 @@ import time
 import traceback
 
 import torch
-
 from gpu_common import Ctx, MissingKernel, cuda_healthy, log
 
 ENGINE_VARIANTS = {  # name -> EngineConfig fields
@@ -31,18 +30,42 @@ def llama3_8b_config(smoke: bool):
     from sluice.engine.config import ModelConfig
 
     if smoke:
-        return ModelConfig(architecture="llama", vocab_size=512, hidden_size=128,
-                           intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
-                           rope_theta=500000.0, rope_scaling=None, max_position_embeddings=1024,
-                           tie_word_embeddings=False, attention_bias=False, bos_token_id=None,
-                           eos_token_ids=(0,))
-    return ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
-                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                       rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
-                       tie_word_embeddings=False, attention_bias=False, bos_token_id=128000,
-                       eos_token_ids=(128001, 128009))
+        return ModelConfig(
+            architecture="llama",
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=None,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            bos_token_id=None,
+            eos_token_ids=(0,),
+        )
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+    )
 
 
 def random_loaded_model(config, device: torch.device, dtype: torch.dtype, seed: int):
@@ -61,8 +84,9 @@ def random_loaded_model(config, device: torch.device, dtype: torch.dtype, seed: 
         else:
             t.normal_(0.0, 0.02, generator=g)
         tensors[name] = t
-    return LoadedModel(config=config, tensors=tensors, tokenizer=None,
-                       source="random Llama-3-8B-shaped weights")
+    return LoadedModel(
+        config=config, tensors=tensors, tokenizer=None, source="random Llama-3-8B-shaped weights"
+    )
 
 
 def bytes_read_per_step(model, batch: int) -> dict:
@@ -96,12 +120,24 @@ def engine_config_for(ctx: Ctx, variant: str, kv_bytes: int):
     missing = [k for k in want if k not in fields]
     if missing:
         raise MissingKernel(f"EngineConfig has no field {', '.join(missing)}")
-    return EngineConfig(device=str(ctx.device), dtype="bfloat16", kv_cache_bytes=kv_bytes,
-                        max_num_batched_tokens=2048 if not ctx.smoke else 256, **want)
+    return EngineConfig(
+        device=str(ctx.device),
+        dtype="bfloat16",
+        kv_cache_bytes=kv_bytes,
+        max_num_batched_tokens=2048 if not ctx.smoke else 256,
+        **want,
+    )
 
 
-def engine_variant(ctx: Ctx, variant: str, batches: tuple[int, ...], prompt_len: int, steps: int,
-                   warm: int, tokens_seen: dict) -> list[dict]:
+def engine_variant(
+    ctx: Ctx,
+    variant: str,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    steps: int,
+    warm: int,
+    tokens_seen: dict,
+) -> list[dict]:
     from sluice.engine import LLMEngine
 
     cfg = llama3_8b_config(ctx.smoke)
@@ -113,8 +149,9 @@ def engine_variant(ctx: Ctx, variant: str, batches: tuple[int, ...], prompt_len:
     if ctx.cuda:
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    engine = LLMEngine(config=econf,
-                       loaded=random_loaded_model(cfg, ctx.device, torch.bfloat16, ctx.seed))
+    engine = LLMEngine(
+        config=econf, loaded=random_loaded_model(cfg, ctx.device, torch.bfloat16, ctx.seed)
+    )
     ctx.sync()
     build_s = time.perf_counter() - t0
     log(f"  engine {variant}: built in {build_s:.1f} s (kernels {getattr(engine, 'kernels', '?')})")
@@ -123,28 +160,44 @@ def engine_variant(ctx: Ctx, variant: str, batches: tuple[int, ...], prompt_len:
         model = engine.runner.model
         kv_per_token = sum(
             c.nbytes if hasattr(c, "nbytes") else sum(t.numel() * t.element_size() for t in c)
-            for c in engine.runner.kv_caches) / max(1, engine.runner.num_blocks * econf.block_size)
+            for c in engine.runner.kv_caches
+        ) / max(1, engine.runner.num_blocks * econf.block_size)
         for batch in batches:
             if ctx.time_left() < (2 if ctx.smoke else 10):
-                rows.append({"variant": variant, "batch": batch, "status": "skipped",
-                             "why": "budget"})
+                rows.append(
+                    {"variant": variant, "batch": batch, "status": "skipped", "why": "budget"}
+                )
                 continue
-            row = {"variant": variant, "batch": batch, "build_s": build_s,
-                   "kernels": getattr(engine, "kernels", None), "config": ENGINE_VARIANTS[variant]}
+            row = {
+                "variant": variant,
+                "batch": batch,
+                "build_s": build_s,
+                "kernels": getattr(engine, "kernels", None),
+                "config": ENGINE_VARIANTS[variant],
+            }
             try:
-                row.update(decode_run(ctx, engine, batch, prompt_len, steps, warm, max_tokens,
-                                      cfg.vocab_size))
+                row.update(
+                    decode_run(
+                        ctx, engine, batch, prompt_len, steps, warm, max_tokens, cfg.vocab_size
+                    )
+                )
             except Exception as e:  # noqa: BLE001
-                row.update(status="error", why=f"{type(e).__name__}: {e}",
-                           traceback=traceback.format_exc(limit=8))
+                row.update(
+                    status="error",
+                    why=f"{type(e).__name__}: {e}",
+                    traceback=traceback.format_exc(limit=8),
+                )
                 rows.append(row)
                 if not cuda_healthy(ctx.device):
                     raise
                 continue
             w = bytes_read_per_step(model, batch)
             kv_read = row["mean_context"] * batch * kv_per_token
-            row.update(weight_bytes=w["weights"], embedding_table_bytes=w["embedding_table"],
-                       kv_read_bytes=kv_read)
+            row.update(
+                weight_bytes=w["weights"],
+                embedding_table_bytes=w["embedding_table"],
+                kv_read_bytes=kv_read,
+            )
             if ctx.copy_gbs:
                 row["bound_w_ms"] = w["weights"] / ctx.copy_gbs / 1e6
                 row["bound_ms"] = (w["weights"] + kv_read) / ctx.copy_gbs / 1e6
@@ -161,13 +214,19 @@ def engine_variant(ctx: Ctx, variant: str, batches: tuple[int, ...], prompt_len:
                 pairs = list(zip(first, ref))[::2]
                 same1 = sum(a[:1] == b[:1] for a, b in pairs)
                 same2 = sum(a[:2] == b[:2] for a, b in pairs)
-                row["greedy_agree_with_triton"] = {"token1": same1 / len(pairs),
-                                                   "tokens1_2": same2 / len(pairs)}
-                row["note"] = (f"greedy tokens = triton's: 1st {same1}/{len(pairs)}, "
-                               f"1st+2nd {same2}/{len(pairs)}")
+                row["greedy_agree_with_triton"] = {
+                    "token1": same1 / len(pairs),
+                    "tokens1_2": same2 / len(pairs),
+                }
+                row["note"] = (
+                    f"greedy tokens = triton's: 1st {same1}/{len(pairs)}, "
+                    f"1st+2nd {same2}/{len(pairs)}"
+                )
             rows.append(row)
-            log(f"  engine {variant} batch {batch}: {row['ms_per_step']:.2f} ms/step"
-                + (f", {row['x_bound']:.2f}x the bound" if "x_bound" in row else ""))
+            log(
+                f"  engine {variant} batch {batch}: {row['ms_per_step']:.2f} ms/step"
+                + (f", {row['x_bound']:.2f}x the bound" if "x_bound" in row else "")
+            )
     finally:
         del engine
         gc.collect()
@@ -176,8 +235,16 @@ def engine_variant(ctx: Ctx, variant: str, batches: tuple[int, ...], prompt_len:
     return rows
 
 
-def decode_run(ctx: Ctx, engine, batch: int, prompt_len: int, steps: int, warm: int,
-               max_tokens: int, vocab: int) -> dict:
+def decode_run(
+    ctx: Ctx,
+    engine,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    warm: int,
+    max_tokens: int,
+    vocab: int,
+) -> dict:
     """`batch` random prompts through prefill, then `warm` + `steps` decode steps of the whole
     batch; per-step wall time (the step returns token ids to the host, so it ends synchronized)."""
     from sluice.engine.sampling_params import SamplingParams
@@ -190,11 +257,19 @@ def decode_run(ctx: Ctx, engine, batch: int, prompt_len: int, steps: int, warm: 
         """Even rows greedy (comparable across variants), odd rows sampled (the sampling kernel)."""
         if i % 2 == 0:
             return greedy
-        return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=ctx.seed + i,
-                              max_tokens=max_tokens, ignore_eos=True)
+        return SamplingParams(
+            temperature=0.8,
+            top_p=0.95,
+            top_k=50,
+            seed=ctx.seed + i,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
 
-    ids = [engine.add_request(f"d{batch}-{i}-{ctx.counter}", prompt_token_ids=p, params=params(i))
-           for i, p in enumerate(prompts)]
+    ids = [
+        engine.add_request(f"d{batch}-{i}-{ctx.counter}", prompt_token_ids=p, params=params(i))
+        for i, p in enumerate(prompts)
+    ]
     ctx.counter += 1
     produced = {rid: [] for rid in ids}
     t0 = time.perf_counter()
@@ -234,8 +309,17 @@ def decode_run(ctx: Ctx, engine, batch: int, prompt_len: int, steps: int, warm: 
             engine.abort(rid)
         engine.step()  # collect the aborted requests' finals
     med = statistics.median(times)
-    return {"status": "ok", "prompt_len": prompt_len, "prefill_steps": prefill_steps,
-            "prefill_s": prefill_s, "steps_timed": len(times), "ms_per_step": 1e3 * med,
-            "ms_per_step_mean": 1e3 * statistics.fmean(times), "ms_per_step_min": 1e3 * min(times),
-            "tok_s": batch / med, "mean_context": ctx_sum / max(1, len(times)) / batch,
-            "budget_cut": budget_cut, "first_tokens": [v[:4] for v in produced.values()]}
+    return {
+        "status": "ok",
+        "prompt_len": prompt_len,
+        "prefill_steps": prefill_steps,
+        "prefill_s": prefill_s,
+        "steps_timed": len(times),
+        "ms_per_step": 1e3 * med,
+        "ms_per_step_mean": 1e3 * statistics.fmean(times),
+        "ms_per_step_min": 1e3 * min(times),
+        "tok_s": batch / med,
+        "mean_context": ctx_sum / max(1, len(times)) / batch,
+        "budget_cut": budget_cut,
+        "first_tokens": [v[:4] for v in produced.values()],
+    }

@@ -9,10 +9,9 @@ import inspect
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from gpu_common import Ctx, MissingKernel
 
 # Correctness tolerances on max |kernel - reference| / max |reference|.
@@ -20,6 +19,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
 # --- timing --------------------------------------------------------------------------------------
+
 
 def time_us(ctx: Ctx, fn: Callable[[], object], target_s: float | None = None) -> float:
     """Median time of one call in microseconds.
@@ -57,8 +57,14 @@ def time_us(ctx: Ctx, fn: Callable[[], object], target_s: float | None = None) -
     return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def timing(ctx: Ctx, tri: Callable, ref: Callable, nbytes: int, flops: float | None = None,
-           extra: dict[str, Callable] | None = None) -> dict:
+def timing(
+    ctx: Ctx,
+    tri: Callable,
+    ref: Callable,
+    nbytes: int,
+    flops: float | None = None,
+    extra: dict[str, Callable] | None = None,
+) -> dict:
     """Time the kernel and its torch reference (and `extra` baselines); bandwidth and ratios."""
     if not ctx.may_time_kernels():
         return {"timing": "skipped (budget)"}
@@ -80,6 +86,7 @@ def timing(ctx: Ctx, tri: Callable, ref: Callable, nbytes: int, flops: float | N
 
 # --- comparisons ---------------------------------------------------------------------------------
 
+
 def compare(out: torch.Tensor | None, ref: torch.Tensor | None, tol: float) -> dict:
     """Element by element: |out - ref| <= tol * (|ref| + rms(ref)) (relative, with an absolute floor
     at the reference's typical size for elements near zero), and every element the reference has
@@ -87,11 +94,19 @@ def compare(out: torch.Tensor | None, ref: torch.Tensor | None, tol: float) -> d
     rel = max abs error / max |ref|."""
     if ref is None or out is None:
         ok = ref is None and out is None
-        return {"max_abs": 0.0, "max_rel": 0.0, "ok": ok,
-                **({} if ok else {"why": "one output is None"})}
+        return {
+            "max_abs": 0.0,
+            "max_rel": 0.0,
+            "ok": ok,
+            **({} if ok else {"why": "one output is None"}),
+        }
     if tuple(out.shape) != tuple(ref.shape):
-        return {"max_abs": math.inf, "max_rel": math.inf, "ok": False,
-                "why": f"shape {tuple(out.shape)} != {tuple(ref.shape)}"}
+        return {
+            "max_abs": math.inf,
+            "max_rel": math.inf,
+            "ok": False,
+            "why": f"shape {tuple(out.shape)} != {tuple(ref.shape)}",
+        }
     o, r = out.detach().double(), ref.detach().double()
     fin_r = torch.isfinite(r)
     bad = int((~torch.isfinite(o) & fin_r).sum())
@@ -101,23 +116,34 @@ def compare(out: torch.Tensor | None, ref: torch.Tensor | None, tol: float) -> d
     scale = float(r[fin_r].abs().max()) if bool(fin_r.any()) else 0.0
     rms = float(rb.pow(2).mean().sqrt()) if rb.numel() else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    worst = (float((diff / (tol * (rb.abs() + rms))).nan_to_num(math.inf).max())
-             if diff.numel() and max_abs else 0.0)
-    res = {"max_abs": max_abs, "max_rel": max_rel, "ok": bad == 0 and worst <= 1.0, "tol": tol,
-           "err_over_tol": worst}
+    worst = (
+        float((diff / (tol * (rb.abs() + rms))).nan_to_num(math.inf).max())
+        if diff.numel() and max_abs
+        else 0.0
+    )
+    res = {
+        "max_abs": max_abs,
+        "max_rel": max_rel,
+        "ok": bad == 0 and worst <= 1.0,
+        "tol": tol,
+        "err_over_tol": worst,
+    }
     if bad:
         res["why"] = f"{bad} non-finite where the reference is finite (unwritten?)"
     elif worst > 1.0:
-        res["why"] = (f"error {worst:.2g}x the tolerance {tol:g} * (|ref| + rms ref) "
-                      f"(max abs {max_abs:.3g})")
+        res["why"] = (
+            f"error {worst:.2g}x the tolerance {tol:g} * (|ref| + rms ref) (max abs {max_abs:.3g})"
+        )
     return res
 
 
 def merge_cmp(parts: dict[str, dict]) -> dict:
     """Several compared outputs -> one summary (worst of each), why-messages named by output."""
-    res = {"max_abs": max(p["max_abs"] for p in parts.values()),
-           "max_rel": max(p["max_rel"] for p in parts.values()),
-           "ok": all(p["ok"] for p in parts.values())}
+    res = {
+        "max_abs": max(p["max_abs"] for p in parts.values()),
+        "max_rel": max(p["max_rel"] for p in parts.values()),
+        "ok": all(p["ok"] for p in parts.values()),
+    }
     whys = [f"{k}: {p['why']}" for k, p in parts.items() if p.get("why")]
     if whys:
         res["why"] = "; ".join(whys)
@@ -139,9 +165,13 @@ def takes_kw(fn: Callable, name: str) -> bool:
 
 
 def dtype_name(dt: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-            torch.int8: "int8", torch.float8_e4m3fn: "fp8e4m3",
-            }.get(dt, str(dt).removeprefix("torch."))
+    return {
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+        torch.int8: "int8",
+        torch.float8_e4m3fn: "fp8e4m3",
+    }.get(dt, str(dt).removeprefix("torch."))
 
 
 def esize(dt: torch.dtype) -> int:
@@ -149,6 +179,7 @@ def esize(dt: torch.dtype) -> int:
 
 
 # --- building a case -----------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Case:
@@ -178,8 +209,9 @@ def randn(ctx: Ctx, g: torch.Generator, *shape: int, dtype=None, std: float = 1.
     return (x * std).to(dtype or ctx.dtype)
 
 
-def qkv_views(qkv: torch.Tensor, hq: int, hkv: int,
-              d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_views(
+    qkv: torch.Tensor, hq: int, hkv: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k and v [T, Hkv, D] as the strided views into the fused qkv projection's output
     that the engine hands the kernels."""
     t = qkv.shape[0]

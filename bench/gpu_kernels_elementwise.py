@@ -4,18 +4,32 @@
 from __future__ import annotations
 
 import torch
-
 from gpu_common import Ctx
-from gpu_kernel_harness import (TOL, Case, compare, dtype_name, esize, load_ops, merge_cmp,
-                                qkv_views, randn, rel_err, takes_kw, timing)
-
+from gpu_kernel_harness import (
+    TOL,
+    Case,
+    compare,
+    dtype_name,
+    esize,
+    load_ops,
+    merge_cmp,
+    qkv_views,
+    randn,
+    rel_err,
+    takes_kw,
+    timing,
+)
 
 # norm ------------------------------------------------------------------------------------------
 
+
 def cases_norm(ctx: Ctx) -> list[Case]:
     m = load_ops(ctx, "norm", "add_rmsnorm_torch", "add_rmsnorm_triton")
-    shapes = ([(4, 96, True), (3, 64, False)] if ctx.smoke else
-              [(2048, 4096, True), (64, 4096, True), (2048, 4096, False)])
+    shapes = (
+        [(4, 96, True), (3, 64, False)]
+        if ctx.smoke
+        else [(2048, 4096, True), (64, 4096, True), (2048, 4096, False)]
+    )
     dt = ctx.dtype
 
     def run(T: int, H: int, with_res: bool) -> dict:
@@ -30,8 +44,10 @@ def cases_norm(ctx: Ctx) -> list[Case]:
         ref = m.add_rmsnorm_torch(*args())
         ctx.poison_next_alloc(T * H * esize(dt))
         out = m.add_rmsnorm_triton(*args())
-        parts = {"normed": compare(out[0], ref[0], TOL[dt]),
-                 "residual": compare(out[1], ref[1], TOL[dt])}
+        parts = {
+            "normed": compare(out[0], ref[0], TOL[dt]),
+            "residual": compare(out[1], ref[1], TOL[dt]),
+        }
         if takes_kw(m.add_rmsnorm_triton, "out"):  # the preallocated path, NaN-filled
             o2 = torch.full((T, H), float("nan"), dtype=dt, device=ctx.device)
             kw = {"out": o2}
@@ -49,15 +65,29 @@ def cases_norm(ctx: Ctx) -> list[Case]:
         xt, rt = x.clone(), None if res is None else res.clone()
         # bytes: read x (+ residual) and the weight, write normed (+ residual_out)
         nbytes = ((4 if with_res else 2) * T * H + H) * esize(dt)
-        row.update(timing(ctx, lambda: m.add_rmsnorm_triton(xt, rt, w, eps),
-                          lambda: m.add_rmsnorm_torch(xt, rt, w, eps), nbytes))
+        row.update(
+            timing(
+                ctx,
+                lambda: m.add_rmsnorm_triton(xt, rt, w, eps),
+                lambda: m.add_rmsnorm_torch(xt, rt, w, eps),
+                nbytes,
+            )
+        )
         return row
 
-    return [Case("add_rmsnorm", f"T={T} H={H}" + (" +res" if r else " no res"), dtype_name(dt),
-                 lambda T=T, H=H, r=r: run(T, H, r)) for T, H, r in shapes]
+    return [
+        Case(
+            "add_rmsnorm",
+            f"T={T} H={H}" + (" +res" if r else " no res"),
+            dtype_name(dt),
+            lambda T=T, H=H, r=r: run(T, H, r),
+        )
+        for T, H, r in shapes
+    ]
 
 
 # activation --------------------------------------------------------------------------------------
+
 
 def cases_activation(ctx: Ctx) -> list[Case]:
     m = load_ops(ctx, "activation", "silu_and_mul_torch", "silu_and_mul_triton")
@@ -82,15 +112,19 @@ def cases_activation(ctx: Ctx) -> list[Case]:
         if f64["torch"] > TOL[dt]:
             row.update(ok=False, why=f"torch reference off float64 by {f64['torch']:.3g}")
         nbytes = 3 * T * I * esize(dt)  # read [T, 2I], write [T, I]
-        row.update(timing(ctx, lambda: m.silu_and_mul_triton(x), lambda: m.silu_and_mul_torch(x),
-                          nbytes))
+        row.update(
+            timing(ctx, lambda: m.silu_and_mul_triton(x), lambda: m.silu_and_mul_torch(x), nbytes)
+        )
         return row
 
-    return [Case("silu_and_mul", f"T={T} I={I}", dtype_name(dt), lambda T=T, I=I: run(T, I))
-            for T, I in shapes]
+    return [
+        Case("silu_and_mul", f"T={T} I={I}", dtype_name(dt), lambda T=T, I=I: run(T, I))
+        for T, I in shapes
+    ]
 
 
 # rotary ----------------------------------------------------------------------------------------
+
 
 def cases_rotary(ctx: Ctx) -> list[Case]:
     m = load_ops(ctx, "rotary", "rotary_torch_", "rotary_triton_")
@@ -125,24 +159,45 @@ def cases_rotary(ctx: Ctx) -> list[Case]:
             x1, x2 = x.chunk(2, -1)
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
-        errs = {name: max(rel_err(qr, truth(q, il)), rel_err(kr, truth(k, il)))
-                for name, il in (("rotate_half", False), ("interleaved", True))}
+        errs = {
+            name: max(rel_err(qr, truth(q, il)), rel_err(kr, truth(k, il)))
+            for name, il in (("rotate_half", False), ("interleaved", True))
+        }
         conv = min(errs, key=errs.get)
-        f64 = {"convention": conv, "torch": errs[conv],
-               "triton": max(rel_err(qt, truth(q, conv == "interleaved")),
-                             rel_err(kt, truth(k, conv == "interleaved")))}
+        f64 = {
+            "convention": conv,
+            "torch": errs[conv],
+            "triton": max(
+                rel_err(qt, truth(q, conv == "interleaved")),
+                rel_err(kt, truth(k, conv == "interleaved")),
+            ),
+        }
         row["vs_f64"] = f64
         if errs[conv] > TOL[dt]:
-            row.update(ok=False,
-                       why=f"torch reference matches neither convention in float64 ({errs})")
+            row.update(
+                ok=False, why=f"torch reference matches neither convention in float64 ({errs})"
+            )
         c2, s2 = angles(g, T, D)
         qa, ka, _ = qkv_views(qkv.clone(), Hq, Hkv, D)
         qb, kb, _ = qkv_views(qkv.clone(), Hq, Hkv, D)
         # bytes: read + write q and k in place, read cos and sin (float32)
         nbytes = 2 * T * (Hq + Hkv) * D * esize(dt) + 2 * T * (D // 2) * 4
-        row.update(timing(ctx, lambda: m.rotary_triton_(qa, ka, c2, s2),
-                          lambda: m.rotary_torch_(qb, kb, c2, s2), nbytes))
+        row.update(
+            timing(
+                ctx,
+                lambda: m.rotary_triton_(qa, ka, c2, s2),
+                lambda: m.rotary_torch_(qb, kb, c2, s2),
+                nbytes,
+            )
+        )
         return row
 
-    return [Case("rotary_", f"T={T} Hq={Hq} Hkv={Hkv} D={D}", dtype_name(dt),
-                 lambda a=(T, Hq, Hkv, D): run(*a)) for T, Hq, Hkv, D in shapes]
+    return [
+        Case(
+            "rotary_",
+            f"T={T} Hq={Hq} Hkv={Hkv} D={D}",
+            dtype_name(dt),
+            lambda a=(T, Hq, Hkv, D): run(*a),
+        )
+        for T, Hq, Hkv, D in shapes
+    ]

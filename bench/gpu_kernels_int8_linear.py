@@ -4,10 +4,20 @@ the matmul against its torch reference and float64, and timing beside a dense bf
 from __future__ import annotations
 
 import torch
-
 from gpu_common import Ctx
-from gpu_kernel_harness import (TOL, Case, compare, dtype_name, esize, load_ops, merge_cmp, randn,
-                                rel_err, takes_kw, timing)
+from gpu_kernel_harness import (
+    TOL,
+    Case,
+    compare,
+    dtype_name,
+    esize,
+    load_ops,
+    merge_cmp,
+    randn,
+    rel_err,
+    takes_kw,
+    timing,
+)
 
 
 def cases_int8_linear(ctx: Ctx) -> list[Case]:
@@ -16,10 +26,17 @@ def cases_int8_linear(ctx: Ctx) -> list[Case]:
         layers = {"a": (48, 64), "b": (40, 100)}
         plan = [("a", 1, True), ("b", 33, False)]
     else:
-        layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
-                  "down": (4096, 14336)}
-        plan = ([(n, 1, False) for n in layers] + [(n, 64, False) for n in layers]
-                + [("gate_up", 2048, False), ("down", 2048, False), ("qkv", 64, True)])
+        layers = {
+            "qkv": (6144, 4096),
+            "o": (4096, 4096),
+            "gate_up": (28672, 4096),
+            "down": (4096, 14336),
+        }
+        plan = (
+            [(n, 1, False) for n in layers]
+            + [(n, 64, False) for n in layers]
+            + [("gate_up", 2048, False), ("down", 2048, False), ("qkv", 64, True)]
+        )
     dt = ctx.dtype
     weights: dict[str, tuple] = {}
 
@@ -41,8 +58,9 @@ def cases_int8_linear(ctx: Ctx) -> list[Case]:
         bias = randn(ctx, g, N, std=0.1) if with_bias else None
         why = []
         # the quantizer: int8 in [-127, 127], one float32 scale per row, |q * s - w| <= s / 2
-        qerr = float(((q.double() * s.double()[:, None] - w.double()).abs()
-                      / s.double()[:, None]).max())
+        qerr = float(
+            ((q.double() * s.double()[:, None] - w.double()).abs() / s.double()[:, None]).max()
+        )
         if q.dtype != torch.int8 or tuple(q.shape) != (N, K) or tuple(s.shape) != (N,):
             why.append(f"quantize_int8 gave {q.dtype} {tuple(q.shape)} / {tuple(s.shape)}")
         elif int(q.min()) < -127 or qerr > 0.5 + 1e-3:
@@ -69,19 +87,38 @@ def cases_int8_linear(ctx: Ctx) -> list[Case]:
         if why:
             row.update(ok=False, why="; ".join(why + ([row["why"]] if row.get("why") else [])))
         # bytes: read x, the int8 weight and its scales (and bias), write the output
-        nbytes = (M * K * esize(dt) + N * K + N * 4 + M * N * esize(dt)
-                  + (N * esize(dt) if with_bias else 0))
+        nbytes = (
+            M * K * esize(dt)
+            + N * K
+            + N * 4
+            + M * N * esize(dt)
+            + (N * esize(dt) if with_bias else 0)
+        )
         dense = torch.nn.functional.linear
-        row.update(timing(ctx, lambda: m.int8_linear_triton(x, q, s, bias),
-                          lambda: m.int8_linear_torch(x, q, s, bias), nbytes, flops=2.0 * M * N * K,
-                          extra={"dense_bf16": lambda: dense(x, w, bias)}))
+        row.update(
+            timing(
+                ctx,
+                lambda: m.int8_linear_triton(x, q, s, bias),
+                lambda: m.int8_linear_torch(x, q, s, bias),
+                nbytes,
+                flops=2.0 * M * N * K,
+                extra={"dense_bf16": lambda: dense(x, w, bias)},
+            )
+        )
         if "dense_bf16_us" in row:
-            row["note"] = (f"x{row['dense_bf16_us'] / row['triton_us']:.2f} "
-                           f"vs dense {dtype_name(dt)}")
+            row["note"] = (
+                f"x{row['dense_bf16_us'] / row['triton_us']:.2f} vs dense {dtype_name(dt)}"
+            )
             if M >= 256:
                 row["note"] += f", {row['tflops']:.0f} TFLOP/s"
         return row
 
-    return [Case("int8_linear",
-                 f"{name} M={M} N={layers[name][0]} K={layers[name][1]}" + (" +bias" if b else ""),
-                 dtype_name(dt), lambda a=(name, M, b): run(*a)) for name, M, b in plan]
+    return [
+        Case(
+            "int8_linear",
+            f"{name} M={M} N={layers[name][0]} K={layers[name][1]}" + (" +bias" if b else ""),
+            dtype_name(dt),
+            lambda a=(name, M, b): run(*a),
+        )
+        for name, M, b in plan
+    ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from gpu_common import Ctx
 from gpu_kernel_harness import Case, load_ops, timing
 
@@ -14,8 +13,14 @@ from gpu_kernel_harness import Case, load_ops, timing
 def sampling_params(ctx: Ctx, g, N: int, V: int):
     """Mixed rows: greedy, plain, top-k, top-p, min-p, all three (0 / 1.0 / 0.0 switch a filter
     off)."""
-    kinds = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 50, 1.0, 0.0), (1.0, 0, 0.9, 0.0),
-             (1.0, 0, 1.0, 0.05), (0.7, 100, 0.95, 0.02)]
+    kinds = [
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (0.8, 50, 1.0, 0.0),
+        (1.0, 0, 0.9, 0.0),
+        (1.0, 0, 1.0, 0.05),
+        (0.7, 100, 0.95, 0.02),
+    ]
     rows = [kinds[(i + ctx.seed) % len(kinds)] for i in range(N)]
     dev = ctx.device
     temp = torch.tensor([r[0] for r in rows], dtype=torch.float32, device=dev)
@@ -81,14 +86,20 @@ def cases_sampling(ctx: Ctx) -> list[Case]:
             why.append("not deterministic for the same seeds")
         agree = float((out == ref).float().mean())
         # no error to report: the two samplers draw differently by design (same distribution)
-        row = {"ok": not why, "max_abs": None, "max_rel": None, "agree_with_torch": agree,
-               "note": f"same token as torch {agree:.0%} (not required)"}
+        row = {
+            "ok": not why,
+            "max_abs": None,
+            "max_rel": None,
+            "agree_with_torch": agree,
+            "note": f"same token as torch {agree:.0%} (not required)",
+        }
         if why:
             row["why"] = "; ".join(why)
         # bytes: read the logits once and the per-row parameters, write one int64 per row
         nbytes = N * V * 4 + N * (4 * 4 + 8) + N * 8
-        row.update(timing(ctx, lambda: m.sample_triton(*args), lambda: m.sample_torch(*args),
-                          nbytes))
+        row.update(
+            timing(ctx, lambda: m.sample_triton(*args), lambda: m.sample_torch(*args), nbytes)
+        )
         return row
 
     def run_distribution(N: int, V: int, topk: int, temperature: float) -> dict:
@@ -116,28 +127,49 @@ def cases_sampling(ctx: Ctx) -> list[Case]:
             freq = torch.bincount(tok.clamp(0, V - 1), minlength=V).double() / N
             tv[name] = 0.5 * float((freq - p).abs().sum())
             # a draw outside the kept set (beyond top-k, or a -30 logit) is wrong however rare
-            outside[name] = (int(((tok < 0) | (tok >= V)).sum())
-                             + int(torch.bincount(tok.clamp(0, V - 1), minlength=V)[p == 0].sum()))
+            outside[name] = int(((tok < 0) | (tok >= V)).sum()) + int(
+                torch.bincount(tok.clamp(0, V - 1), minlength=V)[p == 0].sum()
+            )
         # expected TV of an exact sampler ~ 0.5 * sum sqrt(2 p (1-p) / (pi N)); allow 3x that
         expect = 0.5 * float(torch.sqrt(2 * p * (1 - p) / (math.pi * N)).sum())
         limit = 3 * expect + 0.01
-        res.update(ok=tv["triton"] <= limit and tv["torch"] <= limit and not any(outside.values()),
-                   max_abs=None, max_rel=None, tv=tv, tv_limit=limit, outside_support=outside,
-                   note=f"TV triton {tv['triton']:.3f} torch {tv['torch']:.3f} (limit {limit:.3f})")
+        res.update(
+            ok=tv["triton"] <= limit and tv["torch"] <= limit and not any(outside.values()),
+            max_abs=None,
+            max_rel=None,
+            tv=tv,
+            tv_limit=limit,
+            outside_support=outside,
+            note=f"TV triton {tv['triton']:.3f} torch {tv['torch']:.3f} (limit {limit:.3f})",
+        )
         if any(outside.values()):
             res["why"] = f"draws outside the kept tokens: {outside}"
         elif not res["ok"]:
             res["why"] = f"empirical distribution off: TV {tv} > {limit:.3f}"
         return res
 
-    cases = [Case("sample", f"N={N} V={V} mixed params", "fp32", lambda N=N, V=V: run(N, V))
-             for N, V in shapes]
+    cases = [
+        Case("sample", f"N={N} V={V} mixed params", "fp32", lambda N=N, V=V: run(N, V))
+        for N, V in shapes
+    ]
     # The interpreter runs a program per row: the smoke run keeps this check small (weak
     # statistics).
     nd, vd = (48, 32) if ctx.smoke else (16384, 1000)
-    cases.append(Case("sample", f"distribution N={nd} V={vd} T=0.7 top_k=8", "fp32",
-                      lambda: run_distribution(nd, vd, 8, 0.7)))
+    cases.append(
+        Case(
+            "sample",
+            f"distribution N={nd} V={vd} T=0.7 top_k=8",
+            "fp32",
+            lambda: run_distribution(nd, vd, 8, 0.7),
+        )
+    )
     if not ctx.smoke:
-        cases.append(Case("sample", f"distribution N={nd} V={vd} T=1", "fp32",
-                          lambda: run_distribution(nd, vd, 0, 1.0)))
+        cases.append(
+            Case(
+                "sample",
+                f"distribution N={nd} V={vd} T=1",
+                "fp32",
+                lambda: run_distribution(nd, vd, 0, 1.0),
+            )
+        )
     return cases

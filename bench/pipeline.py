@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -67,32 +66,53 @@ def make_prompts(tokenizer, n: int, lo: int, hi: int, seed: int) -> list[str]:
 
     rng = np.random.default_rng(seed)
     lens = rng.integers(lo, hi + 1, size=n)
-    return [tokenizer.decode(rng.integers(SPECIAL_TOKENS, tokenizer.vocab_size, size=int(k)).tolist())
-            for k in lens]
+    return [
+        tokenizer.decode(rng.integers(SPECIAL_TOKENS, tokenizer.vocab_size, size=int(k)).tolist())
+        for k in lens
+    ]
 
 
 def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict:
     """One side's figures; ttft and tpot per request, in the order of the prompts."""
-    return {"side": name, "requests": len(ttft), "output_tokens": tokens, "wall_s": wall,
-            "throughput_tok_s": tokens / wall,
-            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
-            "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
-            "ttft_s": ttft, "tpot_s": tpot}
+    return {
+        "side": name,
+        "requests": len(ttft),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "throughput_tok_s": tokens / wall,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5),
+        "tpot_p99_s": percentile(tpot, 0.99),
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+    }
 
 
 def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(args.model, EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, dtype=args.dtype,
-                                                max_num_batched_tokens=args.max_num_batched_tokens,
-                                                kernels=args.kernels))
+    engine = LLMEngine(
+        args.model,
+        EngineConfig(
+            kv_cache_bytes=args.kv_cache_mb << 20,
+            dtype=args.dtype,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kernels=args.kernels,
+        ),
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     engine.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4))
     log(f"engine: {len(prompts)} requests in-process")
     with Timed() as timed:
         results = engine.generate(prompts, params)
-    out = summary("engine in-process", [r.timings.ttft_s for r in results], [r.timings.tpot_s for r in results],
-                  sum(len(r.token_ids) for r in results), timed.wall)
+    out = summary(
+        "engine in-process",
+        [r.timings.ttft_s for r in results],
+        [r.timings.tpot_s for r in results],
+        sum(len(r.token_ids) for r in results),
+        timed.wall,
+    )
     out["others_cores"] = timed.others_cores
     log(f"engine: {LATENCY_REQUESTS} requests one at a time")
     alone = SamplingParams(temperature=0, max_tokens=LATENCY_OUTPUT, ignore_eos=True)
@@ -106,10 +126,27 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     prefix = f"bench{uuid.uuid4().hex[:8]}"
     log_path = ROOT / ".sluice" / f"bench-pipeline-{prefix}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "sluice", "run", "--topic-prefix", prefix, "--no-sessions",
-           "--bootstrap-servers", args.bootstrap_servers, "--kv-cache-mb", str(args.kv_cache_mb),
-           "--dtype", args.dtype, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-in-flight", str(max(64, len(prompts))), "--kernels", args.kernels]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice",
+        "run",
+        "--topic-prefix",
+        prefix,
+        "--no-sessions",
+        "--bootstrap-servers",
+        args.bootstrap_servers,
+        "--kv-cache-mb",
+        str(args.kv_cache_mb),
+        "--dtype",
+        args.dtype,
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-in-flight",
+        str(max(64, len(prompts))),
+        "--kernels",
+        args.kernels,
+    ]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
@@ -118,16 +155,27 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"sluice run did not start; see {log_path}")
             await asyncio.sleep(0.3)
-        consumer = AIOKafkaConsumer(f"{prefix}.tokens", bootstrap_servers=args.bootstrap_servers,
-                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        consumer = AIOKafkaConsumer(
+            f"{prefix}.tokens",
+            bootstrap_servers=args.bootstrap_servers,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+        )
         producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap_servers, linger_ms=0)
         await consumer.start()
         await producer.start()
 
         async def publish(rid: str, prompt: str, max_tokens: int) -> float:
-            body = {"request_id": rid, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
-                    "ignore_eos": True}
-            await producer.send(f"{prefix}.requests", key=rid.encode(), value=json.dumps(body).encode())
+            body = {
+                "request_id": rid,
+                "prompt": prompt,
+                "temperature": 0,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+            }
+            await producer.send(
+                f"{prefix}.requests", key=rid.encode(), value=json.dumps(body).encode()
+            )
             return time.monotonic()
 
         async def read_until(rids: set[str], first: dict, final: dict) -> None:
@@ -181,8 +229,12 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="16 requests, 32..128 prompt tokens, 32 out")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="16 requests, 32..128 prompt tokens, 32 out"
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-min", type=int, default=32)
     parser.add_argument("--prompt-max", type=int, default=512)
@@ -191,8 +243,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
-                        help="the engine's kernels on both sides (auto: native where it builds)")
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "torch", "native"],
+        help="the engine's kernels on both sides (auto: native where it builds)",
+    )
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -207,12 +263,18 @@ def main() -> None:
         if not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
             LocalStack().up()  # a no-op when it is already running
     tokenizer, _ = load_tokenizer(args.model)
-    prompts = make_prompts(tokenizer, args.num_requests, args.prompt_min, args.prompt_max, args.seed)
+    prompts = make_prompts(
+        tokenizer, args.num_requests, args.prompt_min, args.prompt_max, args.seed
+    )
     prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
-    log(f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, {args.output_len} output tokens each")
+    log(
+        f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, {args.output_len} output tokens each"
+    )
 
     # prompts of their own, so the prefix cache holds none of them
-    alone_prompts = make_prompts(tokenizer, LATENCY_REQUESTS, LATENCY_PROMPT, LATENCY_PROMPT, args.seed + 1)
+    alone_prompts = make_prompts(
+        tokenizer, LATENCY_REQUESTS, LATENCY_PROMPT, LATENCY_PROMPT, args.seed + 1
+    )
     engine = run_engine(args, prompts, alone_prompts)
     kafka = asyncio.run(run_kafka(args, prompts, alone_prompts))
     ratio = kafka["throughput_tok_s"] / engine["throughput_tok_s"]
@@ -222,29 +284,46 @@ def main() -> None:
     # With every request queued, a request's TTFT is mostly the steps before its first token: steps
     # slower by the wall-time ratio alone add this much at the median.
     from_slower_steps_ms = engine["ttft_p50_s"] * (kafka["wall_s"] / engine["wall_s"] - 1) * 1000
-    result = {"date": time.strftime("%Y-%m-%d"), "args": vars(args), "prompt_tokens": prompt_tokens,
-              "sides": [engine, kafka], "throughput_ratio": ratio, "added_p50_ttft_ms": added_ttft_ms,
-              "alone_p50_ttft_s": alone, "added_alone_p50_ttft_ms": added_alone_ms,
-              "added_p50_ttft_from_slower_steps_ms": from_slower_steps_ms,
-              "targets": {"throughput_ratio": ">= 0.9", "added_p50_ttft_ms": "<= 20"}}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+        "prompt_tokens": prompt_tokens,
+        "sides": [engine, kafka],
+        "throughput_ratio": ratio,
+        "added_p50_ttft_ms": added_ttft_ms,
+        "alone_p50_ttft_s": alone,
+        "added_alone_p50_ttft_ms": added_alone_ms,
+        "added_p50_ttft_from_slower_steps_ms": from_slower_steps_ms,
+        "targets": {"throughput_ratio": ">= 0.9", "added_p50_ttft_ms": "<= 20"},
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
 
-    print(f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
-          f"{'TPOT p99':>10}{'others':>8}{'alone TTFT':>12}")
+    print(
+        f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+        f"{'TPOT p99':>10}{'others':>8}{'alone TTFT':>12}"
+    )
     for s in (engine, kafka):
-        print(f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
-              f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
-              f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms{s['others_cores']:>8.2f}"
-              f"{alone[s['side']] * 1000:>10.0f}ms")
+        print(
+            f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
+            f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
+            f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms{s['others_cores']:>8.2f}"
+            f"{alone[s['side']] * 1000:>10.0f}ms"
+        )
     print(f"\nthroughput ratio (Kafka / in-process): {ratio:.3f}   (target >= 0.9)")
-    print(f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms), of which slower steps alone explain "
-          f"{from_slower_steps_ms:+.0f} ms (in-process p50 TTFT x (wall-time ratio - 1))")
-    print(f"added p50 TTFT, one request at a time ({LATENCY_REQUESTS} requests of {LATENCY_PROMPT} tokens, "
-          f"{LATENCY_OUTPUT} out): "
-          f"{added_alone_ms:+.0f} ms")
-    print("others = cores other processes kept busy during the timed phase (Kafka side: the broker, Redis and "
-          "this client, which share this machine's CPUs with the engine)")
+    print(
+        f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms), of which slower steps alone explain "
+        f"{from_slower_steps_ms:+.0f} ms (in-process p50 TTFT x (wall-time ratio - 1))"
+    )
+    print(
+        f"added p50 TTFT, one request at a time ({LATENCY_REQUESTS} requests of {LATENCY_PROMPT} tokens, "
+        f"{LATENCY_OUTPUT} out): "
+        f"{added_alone_ms:+.0f} ms"
+    )
+    print(
+        "others = cores other processes kept busy during the timed phase (Kafka side: the broker, Redis and "
+        "this client, which share this machine's CPUs with the engine)"
+    )
     print(f"written: {RESULTS.relative_to(ROOT)}")
     if plot_pipeline(result, FIGURE):
         print(f"drawn: {FIGURE.relative_to(ROOT)} (TTFT and TPOT of every request, both sides)")

@@ -24,16 +24,24 @@ def plot_pipeline(result: dict, path: Path) -> bool:
         for ax, key, scale in ((ax_ttft, "ttft_s", 1.0), (ax_tpot, "tpot_s", 1000.0)):
             values = sorted(v * scale for v in side[key] if v is not None)
             fractions = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, fractions, where="post", label=f"{side['side']} ({side['throughput_tok_s']:.0f} tok/s)")
+            ax.step(
+                values,
+                fractions,
+                where="post",
+                label=f"{side['side']} ({side['throughput_tok_s']:.0f} tok/s)",
+            )
     ax_ttft.set(xlabel="time to first token (s)", ylabel="fraction of requests", title="TTFT")
     ax_tpot.set(xlabel="time per output token (ms)", title="TPOT")
     for ax in (ax_ttft, ax_tpot):
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     args = result["args"]
-    fig.suptitle(f"{args['num_requests']} requests at once, prompts {args['prompt_min']}-{args['prompt_max']} tokens, "
-                 f"{args['output_len']} out, {args['dtype']}: throughput ratio {result['throughput_ratio']:.3f}, "
-                 f"added p50 TTFT {result['added_p50_ttft_ms']:+.0f} ms", fontsize=10)
+    fig.suptitle(
+        f"{args['num_requests']} requests at once, prompts {args['prompt_min']}-{args['prompt_max']} tokens, "
+        f"{args['output_len']} out, {args['dtype']}: throughput ratio {result['throughput_ratio']:.3f}, "
+        f"added p50 TTFT {result['added_p50_ttft_ms']:+.0f} ms",
+        fontsize=10,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -60,8 +60,9 @@ def _docker_engine_answers() -> bool:
 
 def _default_stack_answers() -> bool:
     defaults = StackSettings()
-    return (asyncio.run(metadata_ok(defaults.bootstrap_servers, timeout=3))
-            and asyncio.run(redis_ping(defaults.redis_url, timeout=2)))
+    return asyncio.run(metadata_ok(defaults.bootstrap_servers, timeout=3)) and asyncio.run(
+        redis_ping(defaults.redis_url, timeout=2)
+    )
 
 
 @contextlib.contextmanager
@@ -105,7 +106,8 @@ def endpoints():
     elif _default_stack_answers():
         defaults = StackSettings()
         source = contextlib.nullcontext(
-            Endpoints(defaults.bootstrap_servers, defaults.redis_url, "running local stack"))
+            Endpoints(defaults.bootstrap_servers, defaults.redis_url, "running local stack")
+        )
     else:
         source = _local_stack()
     with source as found:
@@ -113,8 +115,12 @@ def endpoints():
             _unavailable(f"Kafka at {found.bootstrap_servers} ({found.source}) does not answer")
         if not asyncio.run(redis_ping(found.redis_url, timeout=5)):
             _unavailable(f"Redis at {found.redis_url} ({found.source}) does not answer")
-        log.info("integration tests use Kafka %s and Redis %s from the %s",
-                 found.bootstrap_servers, found.redis_url, found.source)
+        log.info(
+            "integration tests use Kafka %s and Redis %s from the %s",
+            found.bootstrap_servers,
+            found.redis_url,
+            found.source,
+        )
         yield found
 
 

@@ -54,9 +54,14 @@ def test_kafka_image_version_and_broker_settings_match_the_local_stack():
         if k.startswith("KAFKA_")
     }
     shared = {
-        "process.roles", "offsets.topic.replication.factor", "transaction.state.log.replication.factor",
-        "transaction.state.log.min.isr", "min.insync.replicas", "group.initial.rebalance.delay.ms",
-        "auto.create.topics.enable", "controller.listener.names",
+        "process.roles",
+        "offsets.topic.replication.factor",
+        "transaction.state.log.replication.factor",
+        "transaction.state.log.min.isr",
+        "min.insync.replicas",
+        "group.initial.rebalance.delay.ms",
+        "auto.create.topics.enable",
+        "controller.listener.names",
     }
     for key in shared:
         assert compose_props[key] == ours[key], key

@@ -24,9 +24,12 @@ class Prompt:
     history_tokens: int  # how many of token_ids are the stored earlier turns
 
 
-def build_prompt(tokenizer: Tokenizer, request: GenerateRequest,
-                 history_messages: list[dict] | None = None,
-                 history_token_ids: list[int] | None = None) -> Prompt:
+def build_prompt(
+    tokenizer: Tokenizer,
+    request: GenerateRequest,
+    history_messages: list[dict] | None = None,
+    history_token_ids: list[int] | None = None,
+) -> Prompt:
     history_messages = list(history_messages or [])
     history_ids = list(history_token_ids or [])
     if request.messages is not None:
@@ -40,24 +43,29 @@ def build_prompt(tokenizer: Tokenizer, request: GenerateRequest,
         return Prompt(tokenizer.encode(text, add_special_tokens=False), messages, 0)
     # A plain-text session continues the text: earlier ids, then the new prompt's tokens.
     if history_ids:
-        return Prompt(history_ids + tokenizer.encode(request.prompt, add_special_tokens=False),
-                      history_messages, len(history_ids))
+        return Prompt(
+            history_ids + tokenizer.encode(request.prompt, add_special_tokens=False),
+            history_messages,
+            len(history_ids),
+        )
     return Prompt(tokenizer.encode(request.prompt), history_messages, 0)
 
 
-def _continue_chat(tokenizer: Tokenizer, history_messages: list[dict], history_ids: list[int],
-                   messages: list[dict]) -> list[int] | None:
+def _continue_chat(
+    tokenizer: Tokenizer, history_messages: list[dict], history_ids: list[int], messages: list[dict]
+) -> list[int] | None:
     """Tokens to append to history_ids for the new messages, or None when the template does not
     extend the earlier rendering (then the caller renders everything afresh)."""
     before = tokenizer.decode(history_ids, skip_special_tokens=False)
     after = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     if not after.startswith(before):
         return None
-    return tokenizer.encode(after[len(before):], add_special_tokens=False)
+    return tokenizer.encode(after[len(before) :], add_special_tokens=False)
 
 
-def remembered_turn(work: TokenizedRequest, reply: str,
-                    reply_token_ids: list[int]) -> tuple[list[dict], list[int]]:
+def remembered_turn(
+    work: TokenizedRequest, reply: str, reply_token_ids: list[int]
+) -> tuple[list[dict], list[int]]:
     """(messages, token ids) of the conversation after this turn's reply: a chat turn adds the
     reply as the assistant's message; every turn adds its prompt and the generated ids."""
     messages = work.conversation

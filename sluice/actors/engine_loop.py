@@ -41,9 +41,11 @@ class EngineLoop:
         request = work.request
         try:
             self.engine.add_request(
-                request.request_id, prompt_token_ids=work.prompt_token_ids,
+                request.request_id,
+                prompt_token_ids=work.prompt_token_ids,
                 params=SamplingParams(**request.sampling_kwargs()),
-                priority=request.priority, cache_salt=request.tenant,
+                priority=request.priority,
+                cache_salt=request.tenant,
             )
         except EngineError as exc:
             self._rejections.append(Rejection(request.request_id, exc))

@@ -17,9 +17,19 @@ def wire_code(exc: EngineError) -> ErrorCode:
     return _WIRE_CODES.get(exc.code, ErrorCode.INVALID_REQUEST)
 
 
-def error_step(request: GenerateRequest, code: str, message: str, field: str | None = None) -> StepMessage:
+def error_step(
+    request: GenerateRequest, code: str, message: str, field: str | None = None
+) -> StepMessage:
     """An error for a request that never reached a runner: its only event, seq 0."""
     event = ErrorEvent.for_request(request, code, message, field=field, seq=0)
-    return StepMessage(request_id=request.request_id, seq=0, finished=True, finish_reason="error",
-                       error=event, reply_topic=request.reply_topic, session_id=request.session_id,
-                       tenant=request.tenant, metadata=request.metadata)
+    return StepMessage(
+        request_id=request.request_id,
+        seq=0,
+        finished=True,
+        finish_reason="error",
+        error=event,
+        reply_topic=request.reply_topic,
+        session_id=request.session_id,
+        tenant=request.tenant,
+        metadata=request.metadata,
+    )

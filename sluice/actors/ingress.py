@@ -36,9 +36,17 @@ class Ingress:
     a ready error event) for client input, or ValidationError for a malformed internal message.
     """
 
-    def __init__(self, consumer: RequestConsumer, producer: EventProducer, deliver: Sink, *,
-                 tokens_topic: str, dlq_topic: str, decode: Callable[[bytes], BaseModel] = decode_request,
-                 metrics: Metrics | None = None):
+    def __init__(
+        self,
+        consumer: RequestConsumer,
+        producer: EventProducer,
+        deliver: Sink,
+        *,
+        tokens_topic: str,
+        dlq_topic: str,
+        decode: Callable[[bytes], BaseModel] = decode_request,
+        metrics: Metrics | None = None,
+    ):
         self.consumer = consumer
         self.producer = producer
         self.deliver = deliver
@@ -65,7 +73,9 @@ class Ingress:
             self._spawn(self._publish_error(record, rejected.event, rejected.reply_topic))
             return
         except (ValidationError, ValueError) as exc:
-            event = ErrorEvent(code=ErrorCode.INTERNAL, message=f"malformed internal message: {exc}")
+            event = ErrorEvent(
+                code=ErrorCode.INTERNAL, message=f"malformed internal message: {exc}"
+            )
             self._spawn(self._publish_error(record, event, None))
             return
         ack = self._acker(record)
@@ -77,7 +87,9 @@ class Ingress:
 
         return ack
 
-    async def _publish_error(self, record: ConsumerRecord, event: ErrorEvent, reply_topic: str | None) -> None:
+    async def _publish_error(
+        self, record: ConsumerRecord, event: ErrorEvent, reply_topic: str | None
+    ) -> None:
         """Client-visible error for bad input: to the reply topic when the request id could be
         read, else to the dead-letter topic with the raw bytes. Then the offset may be committed."""
         if event.request_id is not None:
@@ -87,13 +99,24 @@ class Ingress:
             topic, key = self.dlq_topic, None
             if event.raw is None:
                 event = event.with_raw(record.value or b"")
-        log.info("rejected input at %s[%d]@%d: %s: %s", record.topic, record.partition, record.offset,
-                 event.code, event.message)
+        log.info(
+            "rejected input at %s[%d]@%d: %s: %s",
+            record.topic,
+            record.partition,
+            record.offset,
+            event.code,
+            event.message,
+        )
         try:
             await self.producer.send_and_wait(topic, key=key, value=encode(event))
         except Exception:
-            log.exception("could not publish the error event for %s[%d]@%d; it will be retried after a "
-                          "restart", record.topic, record.partition, record.offset)
+            log.exception(
+                "could not publish the error event for %s[%d]@%d; it will be retried after a "
+                "restart",
+                record.topic,
+                record.partition,
+                record.offset,
+            )
             return
         if self.metrics:
             self.metrics.requests.labels(event.code).inc()
@@ -117,7 +140,9 @@ class Ingress:
                     for tp, lag in (await self.consumer.lag()).items():
                         self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
             except Exception:
-                log.warning("periodic commit failed; retrying in %.0f s", COMMIT_INTERVAL_S, exc_info=True)
+                log.warning(
+                    "periodic commit failed; retrying in %.0f s", COMMIT_INTERVAL_S, exc_info=True
+                )
 
     async def drain_errors(self) -> None:
         if self._tasks:

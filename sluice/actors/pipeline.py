@@ -87,32 +87,65 @@ class Pipeline:
 
     async def start(self) -> None:
         c, t = self.config, self.config.topics
-        await ensure_topics(c.bootstrap_servers, {
-            t.requests: c.partitions, t.tokens: c.partitions, t.dlq: 1,
-            **({t.tokenized: c.partitions, t.work: c.partitions, t.steps: c.partitions} if self.role else {}),
-        })
+        await ensure_topics(
+            c.bootstrap_servers,
+            {
+                t.requests: c.partitions,
+                t.tokens: c.partitions,
+                t.dlq: 1,
+                **(
+                    {t.tokenized: c.partitions, t.work: c.partitions, t.steps: c.partitions}
+                    if self.role
+                    else {}
+                ),
+            },
+        )
         if c.metrics_port:
             self.metrics.serve(c.metrics_port)
             log.info("metrics on :%d/metrics", c.metrics_port)
-        self.producer = EventProducer(bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role or 'all'}")
+        self.producer = EventProducer(
+            bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role or 'all'}"
+        )
         await self.producer.start()
         if c.redis_url and self.role in (None, "tokenizer", "streamer"):
             self.sessions = SessionStore(c.redis_url, ttl_s=c.session_ttl_s)
             ok = await self.sessions.check()
             self.metrics.redis_available.set(1 if ok else 0)
-            log.info("sessions in Redis at %s: %s", c.redis_url,
-                     "available" if ok else "UNREACHABLE: serving without prefix reuse across turns")
+            log.info(
+                "sessions in Redis at %s: %s",
+                c.redis_url,
+                "available" if ok else "UNREACHABLE: serving without prefix reuse across turns",
+            )
         builder = getattr(self, f"_build_{self.role or 'all'}")
         first, topic, decode = await builder()
         group = c.group if self.role is None else f"{c.group}-{self.role}"
-        self.consumer = RequestConsumer([topic], group_id=group, bootstrap_servers=c.bootstrap_servers,
-                                        max_in_flight=c.max_in_flight, drain_timeout=c.drain_timeout_s)
+        self.consumer = RequestConsumer(
+            [topic],
+            group_id=group,
+            bootstrap_servers=c.bootstrap_servers,
+            max_in_flight=c.max_in_flight,
+            drain_timeout=c.drain_timeout_s,
+        )
         await self.consumer.start()
-        self.ingress = Ingress(self.consumer, self.producer, first.tell, tokens_topic=t.tokens,
-                               dlq_topic=t.dlq, metrics=self.metrics, **({"decode": decode} if decode else {}))
+        self.ingress = Ingress(
+            self.consumer,
+            self.producer,
+            first.tell,
+            tokens_topic=t.tokens,
+            dlq_topic=t.dlq,
+            metrics=self.metrics,
+            **({"decode": decode} if decode else {}),
+        )
         await self.system.start()
-        log.info("pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, dead letters to %s",
-                 self.role or "all roles", topic, group, c.max_in_flight, t.tokens, t.dlq)
+        log.info(
+            "pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, dead letters to %s",
+            self.role or "all roles",
+            topic,
+            group,
+            c.max_in_flight,
+            t.tokens,
+            t.dlq,
+        )
 
     async def _engine(self):
         from sluice.engine import LLMEngine
@@ -128,18 +161,34 @@ class Pipeline:
         return sink
 
     def _streamer(self) -> StreamerActor:
-        return StreamerActor(self.producer, self.config.topics.tokens, self.sessions, metrics=self.metrics,
-                             capacity=max(1024, 4 * self.config.max_in_flight))
+        return StreamerActor(
+            self.producer,
+            self.config.topics.tokens,
+            self.sessions,
+            metrics=self.metrics,
+            capacity=max(1024, 4 * self.config.max_in_flight),
+        )
 
     async def _build_all(self):
         c = self.config
         engine = await self._engine()
         streamer = self._streamer()
-        runner = RunnerActor(engine, streamer.tell, runner_id=c.runner_id, max_queue=c.max_in_flight,
-                             metrics=self.metrics)
+        runner = RunnerActor(
+            engine,
+            streamer.tell,
+            runner_id=c.runner_id,
+            max_queue=c.max_in_flight,
+            metrics=self.metrics,
+        )
         scheduler = SchedulerActor([runner.tell], streamer.tell, capacity=c.max_in_flight)
-        tokenizer = TokenizerActor(engine.tokenizer, engine.max_model_len, self.sessions, scheduler.tell,
-                                   streamer.tell, capacity=c.max_in_flight)
+        tokenizer = TokenizerActor(
+            engine.tokenizer,
+            engine.max_model_len,
+            self.sessions,
+            scheduler.tell,
+            streamer.tell,
+            capacity=c.max_in_flight,
+        )
         self.system.add(tokenizer, sends_to=[scheduler, streamer])
         self.system.add(scheduler, sends_to=[runner, streamer])
         self.system.add(runner, sends_to=[streamer])
@@ -153,23 +202,37 @@ class Pipeline:
         c, t = self.config, self.config.topics
         tokenizer, model_config = await asyncio.to_thread(load_tokenizer, c.model)
         max_len = c.engine.max_model_len or model_config.max_position_embeddings
-        actor = TokenizerActor(tokenizer, max_len, self.sessions, self._sink(t.tokenized, routing_key),
-                               self._sink(t.steps, _request_key), capacity=c.max_in_flight)
+        actor = TokenizerActor(
+            tokenizer,
+            max_len,
+            self.sessions,
+            self._sink(t.tokenized, routing_key),
+            self._sink(t.steps, _request_key),
+            capacity=c.max_in_flight,
+        )
         self.system.add(actor)
         return actor, t.requests, None
 
     async def _build_scheduler(self):
         c, t = self.config, self.config.topics
-        actor = SchedulerActor([self._sink(t.work, routing_key)], self._sink(t.steps, _request_key),
-                               capacity=c.max_in_flight)
+        actor = SchedulerActor(
+            [self._sink(t.work, routing_key)],
+            self._sink(t.steps, _request_key),
+            capacity=c.max_in_flight,
+        )
         self.system.add(actor)
         return actor, t.tokenized, TokenizedRequest.model_validate_json
 
     async def _build_runner(self):
         c, t = self.config, self.config.topics
         engine = await self._engine()
-        actor = RunnerActor(engine, self._sink(t.steps, _request_key), runner_id=c.runner_id,
-                            max_queue=c.max_in_flight, metrics=self.metrics)
+        actor = RunnerActor(
+            engine,
+            self._sink(t.steps, _request_key),
+            runner_id=c.runner_id,
+            max_queue=c.max_in_flight,
+            metrics=self.metrics,
+        )
         self.system.add(actor)
         self.runner = actor
         return actor, t.work, TokenizedRequest.model_validate_json
@@ -195,14 +258,19 @@ class Pipeline:
         stop = asyncio.ensure_future(self._stop.wait())
         failed = asyncio.ensure_future(self.system.wait())
         try:
-            done, _ = await asyncio.wait({ingress, stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {ingress, stop, failed}, return_when=asyncio.FIRST_COMPLETED
+            )
             if failed in done:
                 failed.result()  # raises ActorFailed
             if ingress in done:
                 ingress.result()
                 log.error("the consumer stopped unexpectedly; shutting down")
         finally:
-            log.info("shutting down: finishing in-flight requests (up to %.0f s)", self.config.drain_timeout_s)
+            log.info(
+                "shutting down: finishing in-flight requests (up to %.0f s)",
+                self.config.drain_timeout_s,
+            )
             await self.shutdown()
             for task in (ingress, stop, failed):
                 task.cancel()

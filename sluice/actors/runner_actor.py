@@ -40,8 +40,16 @@ class _Tracked:
 
 
 class RunnerActor(Actor):
-    def __init__(self, engine: LLMEngine, send_steps: Sink, *, runner_id: str = "runner-0",
-                 max_queue: int = 256, metrics: Metrics | None = None, name: str | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        send_steps: Sink,
+        *,
+        runner_id: str = "runner-0",
+        max_queue: int = 256,
+        metrics: Metrics | None = None,
+        name: str | None = None,
+    ):
         super().__init__(name or runner_id, capacity=max_queue)
         self.engine = engine
         self.send_steps = send_steps
@@ -58,8 +66,13 @@ class RunnerActor(Actor):
 
     async def on_start(self) -> None:
         loop = EngineLoop(self.engine)
-        self._worker = ThreadedWorker(step=loop.step, accept=loop.accept, has_work=loop.has_work,
-                                      name=self.runner_id, max_pending=16)
+        self._worker = ThreadedWorker(
+            step=loop.step,
+            accept=loop.accept,
+            has_work=loop.has_work,
+            name=self.runner_id,
+            max_pending=16,
+        )
         self._worker.start()
         self.spawn(self._pump(), name=f"{self.runner_id}-pump")
 
@@ -124,29 +137,50 @@ class RunnerActor(Actor):
         if tracked is None:
             return []
         exc = rejection.error
-        return [(error_step(tracked.work.request, wire_code(exc), str(exc), exc.field), tracked.ack)]
+        return [
+            (error_step(tracked.work.request, wire_code(exc), str(exc), exc.field), tracked.ack)
+        ]
 
     def _echo(self, tracked: _Tracked) -> dict:
         request = tracked.work.request
-        return dict(request_id=request.request_id, reply_topic=request.reply_topic,
-                    session_id=request.session_id, tenant=request.tenant, metadata=request.metadata,
-                    model=self.model_id, runner_id=self.runner_id)
+        return dict(
+            request_id=request.request_id,
+            reply_topic=request.reply_topic,
+            session_id=request.session_id,
+            tenant=request.tenant,
+            metadata=request.metadata,
+            model=self.model_id,
+            runner_id=self.runner_id,
+        )
 
     def _token_message(self, tracked: _Tracked, out: StepOutput) -> StepMessage:
         logprobs = None
         if out.logprobs:
-            logprobs = [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                     top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-                        for lp in out.logprobs]
-        message = StepMessage(seq=tracked.seq, index=out.index, token_ids=out.new_token_ids,
-                              text=out.text, logprobs=logprobs, **self._echo(tracked))
+            logprobs = [
+                TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                )
+                for lp in out.logprobs
+            ]
+        message = StepMessage(
+            seq=tracked.seq,
+            index=out.index,
+            token_ids=out.new_token_ids,
+            text=out.text,
+            logprobs=logprobs,
+            **self._echo(tracked),
+        )
         tracked.seq += 1
         return message
 
     def _final_message(self, tracked: _Tracked) -> StepMessage:
         request = tracked.work.request
         first = tracked.finals[0]
-        last_usage = max((o.usage for o in tracked.finals.values()), key=lambda u: u.completion_tokens)
+        last_usage = max(
+            (o.usage for o in tracked.finals.values()), key=lambda u: u.completion_tokens
+        )
         # Engine timings start when the engine got the request; the client's clock started when
         # the request was read from Kafka.
         before_engine = max(0.0, tracked.submitted_at - tracked.work.received_at)
@@ -155,23 +189,46 @@ class RunnerActor(Actor):
         def shifted(value: float | None) -> float | None:
             return None if value is None else value + before_engine
 
-        timings = Timings(queue_s=shifted(t.queue_s) or before_engine, ttft_s=shifted(t.ttft_s),
-                          tpot_s=t.tpot_s, total_s=max(0.0, time.time() - tracked.work.received_at))
-        usage = Usage(prompt_tokens=last_usage.prompt_tokens, cached_tokens=last_usage.cached_tokens,
-                      completion_tokens=sum(len(ids) for ids in tracked.token_ids.values()))
+        timings = Timings(
+            queue_s=shifted(t.queue_s) or before_engine,
+            ttft_s=shifted(t.ttft_s),
+            tpot_s=t.tpot_s,
+            total_s=max(0.0, time.time() - tracked.work.received_at),
+        )
+        usage = Usage(
+            prompt_tokens=last_usage.prompt_tokens,
+            cached_tokens=last_usage.cached_tokens,
+            completion_tokens=sum(len(ids) for ids in tracked.token_ids.values()),
+        )
         choices = None
         if request.n > 1:
-            choices = [dict(index=i, text=tracked.texts.get(i, ""), finish_reason=o.finish_reason,
-                            stop_reason=o.stop_reason, completion_tokens=len(tracked.token_ids.get(i, [])))
-                       for i, o in sorted(tracked.finals.items())]
+            choices = [
+                dict(
+                    index=i,
+                    text=tracked.texts.get(i, ""),
+                    finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason,
+                    completion_tokens=len(tracked.token_ids.get(i, [])),
+                )
+                for i, o in sorted(tracked.finals.items())
+            ]
         session_messages = session_ids = None
         if request.session_id is not None:
             session_messages, session_ids = remembered_turn(
-                tracked.work, tracked.texts.get(0, ""), tracked.token_ids.get(0, []))
-        message = StepMessage(seq=tracked.seq, finished=True, finish_reason=first.finish_reason,
-                              stop_reason="deadline" if tracked.expired else first.stop_reason,
-                              usage=usage, timings=timings, full_text=tracked.texts.get(0, ""),
-                              choices=choices, session_messages=session_messages,
-                              session_token_ids=session_ids, **self._echo(tracked))
+                tracked.work, tracked.texts.get(0, ""), tracked.token_ids.get(0, [])
+            )
+        message = StepMessage(
+            seq=tracked.seq,
+            finished=True,
+            finish_reason=first.finish_reason,
+            stop_reason="deadline" if tracked.expired else first.stop_reason,
+            usage=usage,
+            timings=timings,
+            full_text=tracked.texts.get(0, ""),
+            choices=choices,
+            session_messages=session_messages,
+            session_token_ids=session_ids,
+            **self._echo(tracked),
+        )
         tracked.seq += 1
         return message

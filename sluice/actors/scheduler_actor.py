@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import time
 
+from sluice.actors.errors import error_step
 from sluice.actors.messages import Envelope, TokenizedRequest
 from sluice.actors.runtime import Actor
-from sluice.actors.errors import error_step
 from sluice.actors.transport import Sink
 from sluice.schemas.events import ErrorCode
 
@@ -29,7 +29,9 @@ def routing_key(work: TokenizedRequest) -> str:
 
 
 class SchedulerActor(Actor):
-    def __init__(self, runners: list[Sink], send_error: Sink, *, name: str = "scheduler", capacity: int = 256):
+    def __init__(
+        self, runners: list[Sink], send_error: Sink, *, name: str = "scheduler", capacity: int = 256
+    ):
         super().__init__(name, capacity=capacity)
         if not runners:
             raise ValueError("the scheduler needs at least one runner")
@@ -39,9 +41,17 @@ class SchedulerActor(Actor):
     async def handle(self, envelope: Envelope) -> None:
         work: TokenizedRequest = envelope.body
         if work.request.deadline is not None and work.request.deadline < time.time():
-            await self.send_error(Envelope(error_step(work.request, ErrorCode.DEADLINE_EXCEEDED,
-                                                      "deadline: passed before a runner took the request",
-                                                      "deadline"), envelope.ack))
+            await self.send_error(
+                Envelope(
+                    error_step(
+                        work.request,
+                        ErrorCode.DEADLINE_EXCEEDED,
+                        "deadline: passed before a runner took the request",
+                        "deadline",
+                    ),
+                    envelope.ack,
+                )
+            )
             return
         await self.runners[self.pick(work)](envelope)
 

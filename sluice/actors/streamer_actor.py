@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from sluice.actors.messages import Envelope, StepMessage, no_ack
 from sluice.actors.metrics import Metrics
@@ -27,8 +26,16 @@ log = logging.getLogger(__name__)
 
 
 class StreamerActor(Actor):
-    def __init__(self, producer: EventProducer, tokens_topic: str, sessions: SessionStore | None,
-                 *, metrics: Metrics | None = None, name: str = "streamer", capacity: int = 1024):
+    def __init__(
+        self,
+        producer: EventProducer,
+        tokens_topic: str,
+        sessions: SessionStore | None,
+        *,
+        metrics: Metrics | None = None,
+        name: str = "streamer",
+        capacity: int = 1024,
+    ):
         super().__init__(name, capacity=capacity)
         self.producer = producer
         self.tokens_topic = tokens_topic
@@ -42,20 +49,33 @@ class StreamerActor(Actor):
         if message.error is not None:
             event = message.error.model_copy(update={"seq": message.seq})
         elif not message.finished:
-            event = TokenEvent(request_id=message.request_id, seq=message.seq, index=message.index,
-                               token_ids=message.token_ids, text=message.text, logprobs=message.logprobs,
-                               session_id=message.session_id)
+            event = TokenEvent(
+                request_id=message.request_id,
+                seq=message.seq,
+                index=message.index,
+                token_ids=message.token_ids,
+                text=message.text,
+                logprobs=message.logprobs,
+                session_id=message.session_id,
+            )
             delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
             if envelope.ack is not no_ack:  # one record per token message when roles run apart
                 self._track(self._ack_after(delivery, envelope))
             return
         else:
             event = FinalEvent(
-                request_id=message.request_id, seq=message.seq, finish_reason=message.finish_reason,
-                stop_reason=message.stop_reason, usage=message.usage, timings=message.timings,
-                model=message.model, text=message.full_text or "",
+                request_id=message.request_id,
+                seq=message.seq,
+                finish_reason=message.finish_reason,
+                stop_reason=message.stop_reason,
+                usage=message.usage,
+                timings=message.timings,
+                model=message.model,
+                text=message.full_text or "",
                 choices=[Choice(**c) for c in message.choices] if message.choices else None,
-                session_id=message.session_id, metadata=message.metadata)
+                session_id=message.session_id,
+                metadata=message.metadata,
+            )
         delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
         self._track(self._finish_request(delivery, envelope))
 
@@ -68,7 +88,10 @@ class StreamerActor(Actor):
         try:
             await delivery
         except Exception:
-            log.exception("token event of %s not delivered; its step stays uncommitted", envelope.body.request_id)
+            log.exception(
+                "token event of %s not delivered; its step stays uncommitted",
+                envelope.body.request_id,
+            )
             return
         envelope.ack()
 
@@ -77,14 +100,25 @@ class StreamerActor(Actor):
         try:
             await delivery
         except Exception:
-            log.exception("final event of %s not delivered; its request stays uncommitted", message.request_id)
+            log.exception(
+                "final event of %s not delivered; its request stays uncommitted", message.request_id
+            )
             return
-        if message.session_id is not None and message.session_token_ids is not None and self.sessions:
+        if (
+            message.session_id is not None
+            and message.session_token_ids is not None
+            and self.sessions
+        ):
             previous = await self.sessions.get(message.tenant, message.session_id)
-            record = SessionRecord(tenant=message.tenant, session_id=message.session_id,
-                                   messages=message.session_messages or [],
-                                   token_ids=message.session_token_ids, owner=message.runner_id,
-                                   model=message.model, turns=(previous.turns if previous else 0) + 1)
+            record = SessionRecord(
+                tenant=message.tenant,
+                session_id=message.session_id,
+                messages=message.session_messages or [],
+                token_ids=message.session_token_ids,
+                owner=message.runner_id,
+                model=message.model,
+                turns=(previous.turns if previous else 0) + 1,
+            )
             await self.sessions.update(record)
         envelope.ack()
         self._record(message)

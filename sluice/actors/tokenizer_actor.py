@@ -25,8 +25,17 @@ log = logging.getLogger(__name__)
 
 
 class TokenizerActor(Actor):
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, sessions: SessionStore | None,
-                 send_work: Sink, send_error: Sink, *, name: str = "tokenizer", capacity: int = 256):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        sessions: SessionStore | None,
+        send_work: Sink,
+        send_error: Sink,
+        *,
+        name: str = "tokenizer",
+        capacity: int = 256,
+    ):
         super().__init__(name, capacity=capacity)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -37,8 +46,12 @@ class TokenizerActor(Actor):
     async def handle(self, envelope: Envelope) -> None:
         request: GenerateRequest = envelope.body
         if request.deadline is not None and request.deadline < time.time():
-            await self._reject(envelope, ErrorCode.DEADLINE_EXCEEDED,
-                               "deadline: already passed when the request was read", "deadline")
+            await self._reject(
+                envelope,
+                ErrorCode.DEADLINE_EXCEEDED,
+                "deadline: already passed when the request was read",
+                "deadline",
+            )
             return
         history_messages, history_ids = None, None
         if request.session_id is not None and self.sessions is not None:
@@ -48,21 +61,33 @@ class TokenizerActor(Actor):
         prompt = build_prompt(self.tokenizer, request, history_messages, history_ids)
         try:
             check_prompt_fits(
-                len(prompt.token_ids), self.max_model_len,
+                len(prompt.token_ids),
+                self.max_model_len,
                 field="messages" if request.messages is not None else "prompt",
-                detail=f" ({prompt.history_tokens} from earlier turns of the session)" if prompt.history_tokens else "")
+                detail=f" ({prompt.history_tokens} from earlier turns of the session)"
+                if prompt.history_tokens
+                else "",
+            )
         except EngineError as exc:
             await self._reject(envelope, wire_code(exc), str(exc), exc.field)
             return
-        work = TokenizedRequest(request=request, prompt_token_ids=prompt.token_ids,
-                                conversation=prompt.messages, history_tokens=prompt.history_tokens,
-                                received_at=envelope.received_at or time.time())
+        work = TokenizedRequest(
+            request=request,
+            prompt_token_ids=prompt.token_ids,
+            conversation=prompt.messages,
+            history_tokens=prompt.history_tokens,
+            received_at=envelope.received_at or time.time(),
+        )
         await self.send_work(Envelope(work, envelope.ack, envelope.received_at))
 
     async def _reject(self, envelope: Envelope, code: str, message: str, field: str) -> None:
-        await self.send_error(Envelope(error_step(envelope.body, code, message, field), envelope.ack))
+        await self.send_error(
+            Envelope(error_step(envelope.body, code, message, field), envelope.ack)
+        )
 
     async def on_failure(self, message, exc: BaseException) -> None:
         # A bug must not lose the request silently: the client gets an internal error.
         if isinstance(message, Envelope) and isinstance(message.body, GenerateRequest):
-            await self._reject(message, ErrorCode.INTERNAL, f"tokenizer failed: {type(exc).__name__}: {exc}", None)
+            await self._reject(
+                message, ErrorCode.INTERNAL, f"tokenizer failed: {type(exc).__name__}: {exc}", None
+            )

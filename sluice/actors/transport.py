@@ -28,8 +28,9 @@ class KafkaSink:
 
     async def __call__(self, envelope: Envelope) -> None:
         body = envelope.body
-        delivery = await self.producer.send(self.topic, key=self.key(body),
-                                            value=body.model_dump_json(exclude_none=True).encode())
+        delivery = await self.producer.send(
+            self.topic, key=self.key(body), value=body.model_dump_json(exclude_none=True).encode()
+        )
         if envelope.ack is not no_ack:
             task = asyncio.ensure_future(self._ack_after(delivery, envelope))
             self._pending.add(task)

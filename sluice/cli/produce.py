@@ -39,25 +39,49 @@ from sluice.schemas import GenerateRequest, RequestRejected
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "produce", help="publish prompts (or a JSON-lines file of requests) and print their request ids",
+        "produce",
+        help="publish prompts (or a JSON-lines file of requests) and print their request ids",
         description="Publish requests to PREFIX.requests (key: session id, else request id) and print "
-                    "each request id on its own line. Flags set request fields; with --file they are "
-                    "defaults for fields a line leaves out.")
-    parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="one request per prompt ('-': read stdin)")
-    parser.add_argument("--file", type=Path, help="JSON lines, one request object per line ('-': stdin)")
-    parser.add_argument("--chat", action="store_true",
-                        help="send each prompt as a user chat message (rendered with the chat template)")
+        "each request id on its own line. Flags set request fields; with --file they are "
+        "defaults for fields a line leaves out.",
+    )
+    parser.add_argument(
+        "prompts", nargs="*", metavar="PROMPT", help="one request per prompt ('-': read stdin)"
+    )
+    parser.add_argument(
+        "--file", type=Path, help="JSON lines, one request object per line ('-': stdin)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as a user chat message (rendered with the chat template)",
+    )
     parser.add_argument("--system", help="with --chat: a system message before the prompt")
-    parser.add_argument("--session", dest="session_id", help="continue this conversation (prefix-cache reuse)")
-    parser.add_argument("--request-id", help="request id for a single prompt (default: a fresh uuid4 hex)")
+    parser.add_argument(
+        "--session", dest="session_id", help="continue this conversation (prefix-cache reuse)"
+    )
+    parser.add_argument(
+        "--request-id", help="request id for a single prompt (default: a fresh uuid4 hex)"
+    )
     add_sampling_arguments(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print {request_id, topic, partition, offset} per request; with --follow, "
-                             "every event as a JSON line")
-    parser.add_argument("--follow", "-f", action="store_true",
-                        help="then stream the requests' tokens (as `sluice tail` does) until all finish")
-    parser.add_argument("--timeout", type=float, help="with --follow: give up after this many seconds (exit 124)")
-    parser.add_argument("--dry-run", action="store_true", help="validate and print ids; publish nothing")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print {request_id, topic, partition, offset} per request; with --follow, "
+        "every event as a JSON line",
+    )
+    parser.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="then stream the requests' tokens (as `sluice tail` does) until all finish",
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="with --follow: give up after this many seconds (exit 124)"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate and print ids; publish nothing"
+    )
     add_kafka_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -71,7 +95,9 @@ def requests_from_args(args: argparse.Namespace) -> tuple[list[GenerateRequest],
         if args.prompts:
             raise ClientError("give prompts or --file, not both")
         if args.request_id:
-            raise ClientError("--request-id names one prompt's request; put request_id in the file's lines")
+            raise ClientError(
+                "--request-id names one prompt's request; put request_id in the file's lines"
+            )
         return _from_file(args.file, defaults)
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     if not prompts:
@@ -101,7 +127,11 @@ def requests_from_args(args: argparse.Namespace) -> tuple[list[GenerateRequest],
 def _from_file(path: Path, defaults: dict) -> tuple[list[GenerateRequest], list[str]]:
     name = "<stdin>" if str(path) == "-" else str(path)
     try:
-        lines = sys.stdin.read().splitlines() if str(path) == "-" else path.read_text("utf-8").splitlines()
+        lines = (
+            sys.stdin.read().splitlines()
+            if str(path) == "-"
+            else path.read_text("utf-8").splitlines()
+        )
     except (OSError, UnicodeDecodeError) as exc:
         raise ClientError(f"cannot read {name}: {exc}") from None
     requests, problems = [], []
@@ -150,8 +180,10 @@ async def produce(args: argparse.Namespace, requests: list[GenerateRequest]) -> 
     async with EventStream(bootstrap, reply_topics, ids) as stream:
         existing = await stream.existing([topics.requests, *reply_topics])
         if topics.requests not in existing:
-            raise ClientError(f"topic {topics.requests} does not exist on {bootstrap}: start the pipeline "
-                              f"(sluice run --topic-prefix {args.topic_prefix}), which creates its topics")
+            raise ClientError(
+                f"topic {topics.requests} does not exist on {bootstrap}: start the pipeline "
+                f"(sluice run --topic-prefix {args.topic_prefix}), which creates its topics"
+            )
         if args.follow:
             missing = [t for t in reply_topics if t not in existing]
             if missing:
@@ -161,17 +193,31 @@ async def produce(args: argparse.Namespace, requests: list[GenerateRequest]) -> 
             written = await publisher.publish(topics.requests, requests)
         for request, meta in zip(requests, written):
             if args.json:
-                print(json.dumps({"request_id": request.request_id, "topic": meta.topic,
-                                  "partition": meta.partition, "offset": meta.offset}))
+                print(
+                    json.dumps(
+                        {
+                            "request_id": request.request_id,
+                            "topic": meta.topic,
+                            "partition": meta.partition,
+                            "offset": meta.offset,
+                        }
+                    )
+                )
             else:
                 print(request.request_id)
         sys.stdout.flush()
         if not args.follow:
             return EXIT_OK
-        render = JsonLines() if args.json else Grouped(ids, {r.request_id: label_of(r) for r in requests})
+        render = (
+            JsonLines()
+            if args.json
+            else Grouped(ids, {r.request_id: label_of(r) for r in requests})
+        )
         left = await follow(stream, render, ids, timeout=args.timeout)
     if left:
-        print(f"sluice produce: gave up after {args.timeout:g} s; unfinished: {' '.join(sorted(left))}",
-              file=sys.stderr)
+        print(
+            f"sluice produce: gave up after {args.timeout:g} s; unfinished: {' '.join(sorted(left))}",
+            file=sys.stderr,
+        )
         return EXIT_TIMEOUT
     return EXIT_FAILED if render.errors else EXIT_OK

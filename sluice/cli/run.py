@@ -12,49 +12,88 @@ from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 
 def add_topic_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("kafka")
-    group.add_argument("--bootstrap-servers", default=None,
-                       help="Kafka address (env KAFKA_BOOTSTRAP_SERVERS, default 127.0.0.1:9092)")
-    group.add_argument("--topic-prefix", default="sluice",
-                       help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)")
+    group.add_argument(
+        "--bootstrap-servers",
+        default=None,
+        help="Kafka address (env KAFKA_BOOTSTRAP_SERVERS, default 127.0.0.1:9092)",
+    )
+    group.add_argument(
+        "--topic-prefix",
+        default="sluice",
+        help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)",
+    )
 
 
 def topics_from_args(args: argparse.Namespace):
     from sluice.actors.pipeline import Topics
 
     p = args.topic_prefix
-    return Topics(requests=f"{p}.requests", tokens=f"{p}.tokens", dlq=f"{p}.dlq",
-                  tokenized=f"{p}.internal.tokenized", work=f"{p}.internal.work", steps=f"{p}.internal.steps")
+    return Topics(
+        requests=f"{p}.requests",
+        tokens=f"{p}.tokens",
+        dlq=f"{p}.dlq",
+        tokenized=f"{p}.internal.tokenized",
+        work=f"{p}.internal.work",
+        steps=f"{p}.internal.steps",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("run", help="run the pipeline: prompts from Kafka in, token streams out")
-    parser.add_argument("--role", choices=ROLES, help="run one role in this process (default: all four)")
+    parser = subparsers.add_parser(
+        "run", help="run the pipeline: prompts from Kafka in, token streams out"
+    )
+    parser.add_argument(
+        "--role", choices=ROLES, help="run one role in this process (default: all four)"
+    )
     add_topic_arguments(parser)
-    parser.add_argument("--redis-url", default=None, help="session store (env REDIS_URL, default "
-                        "redis://127.0.0.1:6379/0)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="session store (env REDIS_URL, default redis://127.0.0.1:6379/0)",
+    )
     parser.add_argument("--no-sessions", action="store_true", help="do not use Redis")
     parser.add_argument("--group", default="sluice", help="consumer group (roles append -ROLE)")
-    parser.add_argument("--partitions", type=int, default=4, help="partitions of topics this creates")
-    parser.add_argument("--max-in-flight", type=int, default=64,
-                        help="unfinished requests before input partitions pause (backpressure)")
-    parser.add_argument("--session-ttl", type=int, default=3600, help="seconds a session is remembered")
+    parser.add_argument(
+        "--partitions", type=int, default=4, help="partitions of topics this creates"
+    )
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=64,
+        help="unfinished requests before input partitions pause (backpressure)",
+    )
+    parser.add_argument(
+        "--session-ttl", type=int, default=3600, help="seconds a session is remembered"
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--runner-id", help="name of this runner (default: host and pid)")
-    parser.add_argument("--drain-timeout", type=float, default=60.0,
-                        help="seconds to let in-flight requests finish on shutdown")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to let in-flight requests finish on shutdown",
+    )
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from sluice.actors.pipeline import PipelineConfig, run_pipeline  # loads torch: only when running
+    from sluice.actors.pipeline import (
+        PipelineConfig,
+        run_pipeline,
+    )  # loads torch: only when running
 
     config = PipelineConfig(
-        model=args.model, engine=engine_config_from_args(args),
+        model=args.model,
+        engine=engine_config_from_args(args),
         bootstrap_servers=args.bootstrap_servers or kafka_bootstrap_servers(),
         redis_url=None if args.no_sessions else (args.redis_url or redis_url()),
-        topics=topics_from_args(args), partitions=args.partitions, group=args.group,
-        max_in_flight=args.max_in_flight, session_ttl_s=args.session_ttl, metrics_port=args.metrics_port,
+        topics=topics_from_args(args),
+        partitions=args.partitions,
+        group=args.group,
+        max_in_flight=args.max_in_flight,
+        session_ttl_s=args.session_ttl,
+        metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
     )
     if args.runner_id:

@@ -9,9 +9,15 @@ from sluice.schemas import json_schemas
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("schema", help="print the JSON Schema of the request and event messages")
-    parser.add_argument("name", nargs="?", help="one message: GenerateRequest, TokenEvent, FinalEvent, "
-                        "ErrorEvent or OutputEvent (default: all, keyed by name)")
+    parser = subparsers.add_parser(
+        "schema", help="print the JSON Schema of the request and event messages"
+    )
+    parser.add_argument(
+        "name",
+        nargs="?",
+        help="one message: GenerateRequest, TokenEvent, FinalEvent, "
+        "ErrorEvent or OutputEvent (default: all, keyed by name)",
+    )
     parser.set_defaults(func=run)
 
 

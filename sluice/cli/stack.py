@@ -15,11 +15,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "stack", help="start, stop or check the local Kafka broker and Redis (no Docker needed)"
     )
     parser.add_argument("action", choices=["up", "down", "status"])
-    parser.add_argument("--kafka-port", type=int, help="broker port (env SLUICE_KAFKA_PORT, default 9092)")
-    parser.add_argument("--kafka-controller-port", type=int,
-                        help="KRaft controller port (env SLUICE_KAFKA_CONTROLLER_PORT, default 9093)")
-    parser.add_argument("--redis-port", type=int, help="Redis port (env SLUICE_REDIS_PORT, default 6379)")
-    parser.add_argument("--home", type=Path, help="data directory (env SLUICE_HOME, default ./.sluice)")
+    parser.add_argument(
+        "--kafka-port", type=int, help="broker port (env SLUICE_KAFKA_PORT, default 9092)"
+    )
+    parser.add_argument(
+        "--kafka-controller-port",
+        type=int,
+        help="KRaft controller port (env SLUICE_KAFKA_CONTROLLER_PORT, default 9093)",
+    )
+    parser.add_argument(
+        "--redis-port", type=int, help="Redis port (env SLUICE_REDIS_PORT, default 6379)"
+    )
+    parser.add_argument(
+        "--home", type=Path, help="data directory (env SLUICE_HOME, default ./.sluice)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -57,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name}: {'stopped' if stopped[name] else 'not running'}")
             return 0
         status = stack.status()
-        print(f"kafka: {_describe(status.kafka_pid, status.kafka_answers)} {settings.bootstrap_servers}")
+        print(
+            f"kafka: {_describe(status.kafka_pid, status.kafka_answers)} {settings.bootstrap_servers}"
+        )
         print(f"redis: {_describe(status.redis_pid, status.redis_answers)} {settings.redis_url}")
         return 0 if status.healthy else 1
     except StackError as exc:

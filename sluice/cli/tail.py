@@ -33,20 +33,33 @@ from sluice.cli.client import (
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "tail", help="print token streams as they arrive (named requests, or all of them)",
+        "tail",
+        help="print token streams as they arrive (named requests, or all of them)",
         description="Print token streams from PREFIX.tokens. Duplicate (request_id, seq) events are "
-                    "dropped. With REQUEST_IDs: exit once each has a final or error event (status 1 if "
-                    "any failed). Without: follow every request until Ctrl-C.")
+        "dropped. With REQUEST_IDs: exit once each has a final or error event (status 1 if "
+        "any failed). Without: follow every request until Ctrl-C.",
+    )
     parser.add_argument("request_ids", nargs="*", metavar="REQUEST_ID")
     parser.add_argument("--json", action="store_true", help="print each event as a JSON line")
     start = parser.add_mutually_exclusive_group()
-    start.add_argument("--from-beginning", action="store_true",
-                       help="without ids: start at the beginning of the topic, not its end")
-    start.add_argument("--since", type=parse_since, metavar="DURATION",
-                       help="start at records this long ago (90, 10m, 2h, 1d) instead of the beginning "
-                            "(with ids) or the end (without)")
-    parser.add_argument("--topic", help="read this topic instead of PREFIX.tokens (a request's reply_topic)")
-    parser.add_argument("--timeout", type=float, help="with ids: give up after this many seconds (exit 124)")
+    start.add_argument(
+        "--from-beginning",
+        action="store_true",
+        help="without ids: start at the beginning of the topic, not its end",
+    )
+    start.add_argument(
+        "--since",
+        type=parse_since,
+        metavar="DURATION",
+        help="start at records this long ago (90, 10m, 2h, 1d) instead of the beginning "
+        "(with ids) or the end (without)",
+    )
+    parser.add_argument(
+        "--topic", help="read this topic instead of PREFIX.tokens (a request's reply_topic)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, help="with ids: give up after this many seconds (exit 124)"
+    )
     add_kafka_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -61,9 +74,13 @@ async def tail(args: argparse.Namespace) -> int:
     ids = list(dict.fromkeys(args.request_ids)) or None
     names = [args.topic or topics.tokens] + ([] if ids or args.topic else [topics.dlq])
     async with EventStream(bootstrap_from_args(args), names, ids) as stream:
+
         def waiting(missing: list[str]) -> None:
-            print(f"sluice tail: waiting for topic {', '.join(missing)} to exist (is `sluice run` started?)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"sluice tail: waiting for topic {', '.join(missing)} to exist (is `sluice run` started?)",
+                file=sys.stderr,
+                flush=True,
+            )
 
         created_meanwhile = not set(names[:1]) <= await stream.existing(names[:1])
         await stream.wait_for_topics(waiting, optional=[topics.dlq])
@@ -81,7 +98,9 @@ async def tail(args: argparse.Namespace) -> int:
             render = Prefixed()
         left = await follow(stream, render, ids, timeout=args.timeout if ids else None)
     if left:
-        print(f"sluice tail: gave up after {args.timeout:g} s; unfinished: {' '.join(sorted(left))}",
-              file=sys.stderr)
+        print(
+            f"sluice tail: gave up after {args.timeout:g} s; unfinished: {' '.join(sorted(left))}",
+            file=sys.stderr,
+        )
         return EXIT_TIMEOUT
     return EXIT_FAILED if render.errors else EXIT_OK

@@ -119,7 +119,9 @@ def java_major_version(java: str) -> int:
     text = out.stderr + out.stdout
     match = re.search(r'version "(\d+)(?:\.(\d+))?', text)
     if not match:
-        raise StackError(f"could not read the Java version from `{java} -version`: {text.strip()!r}")
+        raise StackError(
+            f"could not read the Java version from `{java} -version`: {text.strip()!r}"
+        )
     major = int(match.group(1))
     # Java 8 and older report "1.8.0_x".
     return int(match.group(2) or 0) if major == 1 else major
@@ -175,9 +177,18 @@ class LocalKafka:
             flush=True,
         )
         proc = subprocess.run(
-            [mvn, "-B", "-q", "-f", str(pom), "dependency:copy-dependencies",
-             f"-DoutputDirectory={tmp}", "-DincludeScope=runtime"],
-            capture_output=True, text=True,
+            [
+                mvn,
+                "-B",
+                "-q",
+                "-f",
+                str(pom),
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={tmp}",
+                "-DincludeScope=runtime",
+            ],
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
             last = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
@@ -191,15 +202,23 @@ class LocalKafka:
         return self.jar_dir
 
     def _java(self, main: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
-        cmd = [java_executable(), "-cp", str(self.jar_dir / "*"),
-               f"-Dlog4j2.configurationFile={self.log4j_file}", main, *args]
+        cmd = [
+            java_executable(),
+            "-cp",
+            str(self.jar_dir / "*"),
+            f"-Dlog4j2.configurationFile={self.log4j_file}",
+            main,
+            *args,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _check_ports(self) -> None:
-        for name, port in (("broker", self.settings.kafka_port),
-                           ("controller", self.settings.kafka_controller_port)):
+        for name, port in (
+            ("broker", self.settings.kafka_port),
+            ("controller", self.settings.kafka_controller_port),
+        ):
             if not port_is_free(LOOPBACK, port):
                 raise StackError(
                     f"Kafka {name} port {LOOPBACK}:{port} is in use by another process. Stop it, "
@@ -212,8 +231,14 @@ class LocalKafka:
             return
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         # `=` form: a base64 id may start with "-", which would otherwise read as an option
-        proc = self._java("kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
-                          "-c", str(self.config_file), timeout=180)
+        proc = self._java(
+            "kafka.tools.StorageTool",
+            "format",
+            f"--cluster-id={cluster_id}",
+            "-c",
+            str(self.config_file),
+            timeout=180,
+        )
         if proc.returncode != 0:
             raise StackError(
                 "formatting Kafka storage failed (kafka.tools.StorageTool):\n"
@@ -232,20 +257,36 @@ class LocalKafka:
             )
         java = java_executable()
         if java_major_version(java) < MIN_JAVA:
-            raise StackError(f"Kafka {self.settings.kafka_version} needs Java {MIN_JAVA}+; {java} is older.")
+            raise StackError(
+                f"Kafka {self.settings.kafka_version} needs Java {MIN_JAVA}+; {java} is older."
+            )
         self._check_ports()
         self.ensure_jars()
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config_file.write_text(server_properties(self.settings, self.data_dir))
         self.log4j_file.write_text(_LOG4J2.format(log_file=self.log_file))
         self._format_storage()
-        cmd = [java, "-Xms256m", "-Xmx1g", "-XX:+UseG1GC", "-Djava.awt.headless=true",
-               f"-Dlog4j2.configurationFile={self.log4j_file}",
-               f"-Dkafka.logs.dir={self.dir}",
-               "-cp", str(self.jar_dir / "*"), "kafka.Kafka", str(self.config_file)]
+        cmd = [
+            java,
+            "-Xms256m",
+            "-Xmx1g",
+            "-XX:+UseG1GC",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={self.log4j_file}",
+            f"-Dkafka.logs.dir={self.dir}",
+            "-cp",
+            str(self.jar_dir / "*"),
+            "kafka.Kafka",
+            str(self.config_file),
+        ]
         with open(self.stdout_file, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.pid_file.write_text(str(proc.pid))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -255,8 +296,12 @@ class LocalKafka:
                     f"Last lines of {self.log_file}:\n{tail(self.log_file)}\n{tail(self.stdout_file, 10)}"
                 )
             if port_answers(LOOPBACK, self.settings.kafka_port) and self.answers(timeout=5):
-                log.info("Kafka %s up on %s (pid %d)", self.settings.kafka_version,
-                         self.settings.bootstrap_servers, proc.pid)
+                log.info(
+                    "Kafka %s up on %s (pid %d)",
+                    self.settings.kafka_version,
+                    self.settings.bootstrap_servers,
+                    proc.pid,
+                )
                 return True
             time.sleep(0.5)
         stop_pid(proc.pid)
@@ -279,7 +324,9 @@ async def metadata_ok(bootstrap_servers: str, timeout: float) -> bool:
     """One metadata round trip with aiokafka's client: the broker is up and serving."""
     from aiokafka.client import AIOKafkaClient
 
-    client = AIOKafkaClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=int(timeout * 1000))
+    client = AIOKafkaClient(
+        bootstrap_servers=bootstrap_servers, request_timeout_ms=int(timeout * 1000)
+    )
     try:
         await asyncio.wait_for(client.bootstrap(), timeout)
         return True

@@ -122,9 +122,12 @@ class RequestConsumer:
             # partitions must fit in it, or it is dropped from the group mid-drain.
             rebalance_timeout_ms = max(session_timeout_ms, int(drain_timeout * 1000) + 5_000)
         if drain_timeout * 1000 >= max_poll_interval_ms:
-            log.warning("drain_timeout %.1fs is not below max_poll_interval_ms %d: a long drain "
-                        "on stop() may be taken for a dead member",
-                        drain_timeout, max_poll_interval_ms)
+            log.warning(
+                "drain_timeout %.1fs is not below max_poll_interval_ms %d: a long drain "
+                "on stop() may be taken for a dead member",
+                drain_timeout,
+                max_poll_interval_ms,
+            )
         self._config = dict(
             bootstrap_servers=bootstrap_servers or kafka_bootstrap_servers(),
             group_id=group_id,
@@ -168,9 +171,14 @@ class RequestConsumer:
             await self._consumer.stop()  # release its connections; the error says what failed
             raise
         shown = {k: v for k, v in self._config.items() if "sasl" not in k and "ssl" not in k}
-        log.info("consumer started on %s: %s, max_in_flight=%s (resume at %s), drain_timeout=%.1fs",
-                 ",".join(self.topics), shown, self.max_in_flight, self.low_water,
-                 self.drain_timeout)
+        log.info(
+            "consumer started on %s: %s, max_in_flight=%s (resume at %s), drain_timeout=%.1fs",
+            ",".join(self.topics),
+            shown,
+            self.max_in_flight,
+            self.low_water,
+            self.drain_timeout,
+        )
 
     async def stop(self) -> None:
         """Stop fetching, wait (bounded) for in-flight records, commit them, leave the group."""
@@ -186,8 +194,11 @@ class RequestConsumer:
             log.exception("final commit failed; uncommitted records will be redelivered")
         if pending:
             self.abandoned += pending
-            log.warning("stopped with %d record(s) still in flight after %.1fs: they will be "
-                        "redelivered", pending, self.drain_timeout)
+            log.warning(
+                "stopped with %d record(s) still in flight after %.1fs: they will be redelivered",
+                pending,
+                self.drain_timeout,
+            )
         self._parts.clear()
         self._closed = True
         await self._consumer.stop()
@@ -202,8 +213,9 @@ class RequestConsumer:
 
     # Getting records ---------------------------------------------------------------------------
 
-    async def poll(self, max_records: int | None = None,
-                   timeout: float | None = None) -> list[ConsumerRecord]:
+    async def poll(
+        self, max_records: int | None = None, timeout: float | None = None
+    ) -> list[ConsumerRecord]:
         """Fetch up to `max_records` records (waiting up to `timeout` seconds) and hand them out.
 
         Every record returned is in flight until `done(record)`. Call this regularly even while
@@ -235,8 +247,9 @@ class RequestConsumer:
             fetched = await self._fetch(None, None)
             self._buffer.extend(fetched)
 
-    async def _fetch(self, max_records: int | None,
-                     timeout: float | None) -> list[tuple[ConsumerRecord, int]]:
+    async def _fetch(
+        self, max_records: int | None, timeout: float | None
+    ) -> list[tuple[ConsumerRecord, int]]:
         if self._consumer is None:
             raise RuntimeError("RequestConsumer.start() was not called")
         timeout = self.poll_timeout if timeout is None else timeout
@@ -294,8 +307,12 @@ class RequestConsumer:
         """
         if not self.owns(record):
             self.stale_done += 1
-            log.debug("ignoring done() for %s:%d at offset %d: not in flight here any more",
-                      record.topic, record.partition, record.offset)
+            log.debug(
+                "ignoring done() for %s:%d at offset %d: not in flight here any more",
+                record.topic,
+                record.partition,
+                record.offset,
+            )
             return False
         state = self._parts[TopicPartition(record.topic, record.partition)]
         del state.records[record.offset]
@@ -319,8 +336,9 @@ class RequestConsumer:
                 found[tp] = offset
         return found
 
-    async def commit_done(self, partitions: Iterable[TopicPartition] | None = None
-                          ) -> dict[TopicPartition, int]:
+    async def commit_done(
+        self, partitions: Iterable[TopicPartition] | None = None
+    ) -> dict[TopicPartition, int]:
         """Commit the finished prefix of each partition; returns what was committed.
 
         A commit refused because the group is rebalancing is logged and skipped: the revocation
@@ -421,19 +439,28 @@ class RequestConsumer:
         try:
             committed = await self.commit_done(s.tp for s in states)
         except Exception:
-            log.exception("commit on revocation failed; the next owner redelivers from the last "
-                          "committed offsets")
+            log.exception(
+                "commit on revocation failed; the next owner redelivers from the last "
+                "committed offsets"
+            )
             committed = {}
         for state in states:
             self._parts.pop(state.tp, None)
         self._drop_buffered(revoked)  # whatever a fetch in progress added meanwhile
         if pending:
             self.abandoned += pending
-            log.warning("revocation of %d partition(s): %d record(s) still in flight after %.1fs "
-                        "are abandoned and will be redelivered by the next owner",
-                        len(states), pending, self.drain_timeout)
-        log.info("partitions revoked after %.2fs drain, committed %s",
-                 time.monotonic() - started, _fmt(committed) or "nothing new")
+            log.warning(
+                "revocation of %d partition(s): %d record(s) still in flight after %.1fs "
+                "are abandoned and will be redelivered by the next owner",
+                len(states),
+                pending,
+                self.drain_timeout,
+            )
+        log.info(
+            "partitions revoked after %.2fs drain, committed %s",
+            time.monotonic() - started,
+            _fmt(committed) or "nothing new",
+        )
         self._changed.set()
         self._update_flow()
 
@@ -460,8 +487,11 @@ class RequestConsumer:
                 state.generation = self._generation
         self._rebalancing = False
         self._update_flow()
-        log.info("partitions assigned (assignment #%d of this member): %s", self._generation,
-                 ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(assigned)) or "none")
+        log.info(
+            "partitions assigned (assignment #%d of this member): %s",
+            self._generation,
+            ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(assigned)) or "none",
+        )
 
     async def _start_position(self, tp: TopicPartition) -> int | None:
         """Seek `tp` to where this member should read it from; return that offset."""
@@ -477,8 +507,12 @@ class RequestConsumer:
                 await self._consumer.seek_to_end(tp)
             return await asyncio.wait_for(self._consumer.position(tp), 10)
         except Exception:
-            log.warning("could not position %s:%d at its committed offset; aiokafka's own reset "
-                        "applies", tp.topic, tp.partition, exc_info=True)
+            log.warning(
+                "could not position %s:%d at its committed offset; aiokafka's own reset applies",
+                tp.topic,
+                tp.partition,
+                exc_info=True,
+            )
             return None
 
     def _rewind(self, state: _PartitionState, dropped: int) -> None:
@@ -490,8 +524,11 @@ class RequestConsumer:
 
     def _drop_buffered(self, tps: set[TopicPartition]) -> None:
         """Forget fetched records of `tps` not handed out yet (in place: a fetch may be adding)."""
-        kept = [item for item in self._buffer
-                if TopicPartition(item[0].topic, item[0].partition) not in tps]
+        kept = [
+            item
+            for item in self._buffer
+            if TopicPartition(item[0].topic, item[0].partition) not in tps
+        ]
         self._buffer.clear()
         self._buffer.extend(kept)
 

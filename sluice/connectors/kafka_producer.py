@@ -102,9 +102,14 @@ class EventProducer:
             headers=_headers(headers),
         )
 
-    async def send_and_wait(self, topic: str, key: bytes | str | None, value: bytes,
-                            headers: Headers | None = None,
-                            partition: int | None = None) -> RecordMetadata:
+    async def send_and_wait(
+        self,
+        topic: str,
+        key: bytes | str | None,
+        value: bytes,
+        headers: Headers | None = None,
+        partition: int | None = None,
+    ) -> RecordMetadata:
         """Send one record and wait until the broker has it."""
         return await (await self.send(topic, key, value, headers, partition))
 

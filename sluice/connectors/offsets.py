@@ -37,7 +37,8 @@ class OffsetTracker:
             # Within one assignment Kafka delivers a partition in order; going back would mean a
             # seek, and the committable offset could then move backwards.
             raise ValueError(
-                f"offset {offset} handed out after {self._next - 1}: offsets must increase")
+                f"offset {offset} handed out after {self._next - 1}: offsets must increase"
+            )
         self._queue.append(offset)
         self._running.add(offset)
         self._next = offset + 1

@@ -76,9 +76,10 @@ class LocalRedis:
         if self.pid() is not None:
             if self.answers():
                 return False
-            raise StackError(f"our redis-server (pid {self.pid()}) does not answer on "
-                             f"{self.settings.redis_url}. Last lines of {self.log_file}:\n"
-                             + tail(self.log_file))
+            raise StackError(
+                f"our redis-server (pid {self.pid()}) does not answer on "
+                f"{self.settings.redis_url}. Last lines of {self.log_file}:\n" + tail(self.log_file)
+            )
         exe = redis_server_executable()
         if not port_is_free(LOOPBACK, self.settings.redis_port):
             raise StackError(
@@ -86,22 +87,43 @@ class LocalRedis:
                 "Stop it, or choose another port (--redis-port / SLUICE_REDIS_PORT)."
             )
         self.dir.mkdir(parents=True, exist_ok=True)
-        cmd = [exe, "--bind", LOOPBACK, "--port", str(self.settings.redis_port),
-               "--daemonize", "yes", "--dir", str(self.dir), "--pidfile", str(self.pid_file),
-               "--logfile", str(self.log_file), "--save", "", "--appendonly", "no",
-               "--protected-mode", "yes"]
+        cmd = [
+            exe,
+            "--bind",
+            LOOPBACK,
+            "--port",
+            str(self.settings.redis_port),
+            "--daemonize",
+            "yes",
+            "--dir",
+            str(self.dir),
+            "--pidfile",
+            str(self.pid_file),
+            "--logfile",
+            str(self.log_file),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise StackError(f"redis-server failed to start:\n{(proc.stdout + proc.stderr).strip()}"
-                             f"\n{tail(self.log_file)}")
+            raise StackError(
+                f"redis-server failed to start:\n{(proc.stdout + proc.stderr).strip()}"
+                f"\n{tail(self.log_file)}"
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.pid() is not None and self.answers(timeout=1):
                 log.info("Redis up on %s (pid %s)", self.settings.redis_url, self.pid())
                 return True
             time.sleep(0.2)
-        raise StackError(f"redis-server did not answer within {timeout:.0f} s. Last lines of "
-                         f"{self.log_file}:\n{tail(self.log_file)}")
+        raise StackError(
+            f"redis-server did not answer within {timeout:.0f} s. Last lines of "
+            f"{self.log_file}:\n{tail(self.log_file)}"
+        )
 
     def stop(self) -> bool:
         pid = self.pid()

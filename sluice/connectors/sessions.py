@@ -142,8 +142,12 @@ class SessionStore:
             return SessionRecord.model_validate_json(raw)
         except ValidationError as exc:
             self.errors += 1
-            log.warning("session %s of tenant %r has an unreadable record, ignoring it: %s",
-                        session_id, tenant, exc.errors()[:1])
+            log.warning(
+                "session %s of tenant %r has an unreadable record, ignoring it: %s",
+                session_id,
+                tenant,
+                exc.errors()[:1],
+            )
             return None
 
     async def update(self, record: SessionRecord) -> bool:
@@ -175,8 +179,11 @@ class SessionStore:
             return default
         if not self.available:
             self.available = True
-            log.warning("Redis at %s is reachable again after %.0fs: sessions reuse the prefix "
-                        "cache again", redact(self.url), time.monotonic() - (self._down_since or 0))
+            log.warning(
+                "Redis at %s is reachable again after %.0fs: sessions reuse the prefix cache again",
+                redact(self.url),
+                time.monotonic() - (self._down_since or 0),
+            )
             self._down_since = None
         return result
 
@@ -187,5 +194,9 @@ class SessionStore:
             self.available = False
             self.outages += 1
             self._down_since = time.monotonic()
-            log.warning("Redis unreachable at %s (%s): sessions will not reuse the prefix cache "
-                        "until it returns", redact(self.url), exc.__class__.__name__)
+            log.warning(
+                "Redis unreachable at %s (%s): sessions will not reuse the prefix cache "
+                "until it returns",
+                redact(self.url),
+                exc.__class__.__name__,
+            )

@@ -39,58 +39,79 @@ async def ensure_topics(
     Returns only once each topic's partitions have leaders, so producers and consumers started
     right after do not see "unknown topic" errors. `config` applies to topics created here.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers,
-                                request_timeout_ms=int(timeout * 1000))
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap_servers, request_timeout_ms=int(timeout * 1000)
+    )
     await admin.start()
     try:
         existing = await _partition_counts(admin, list(topics))
         missing = [name for name in topics if name not in existing]
         if missing:
-            new = [NewTopic(name, num_partitions=topics[name],
-                            replication_factor=replication_factor,
-                            topic_configs=dict(config or {})) for name in missing]
+            new = [
+                NewTopic(
+                    name,
+                    num_partitions=topics[name],
+                    replication_factor=replication_factor,
+                    topic_configs=dict(config or {}),
+                )
+                for name in missing
+            ]
             response = await admin.create_topics(new, timeout_ms=int(timeout * 1000))
             for name, code, message in _topic_errors(response):
                 error = for_code(code)
                 if code == 0:
-                    log.info("created topic %s with %d partition(s), replication factor %d",
-                             name, topics[name], replication_factor)
+                    log.info(
+                        "created topic %s with %d partition(s), replication factor %d",
+                        name,
+                        topics[name],
+                        replication_factor,
+                    )
                 elif error is not TopicAlreadyExistsError:  # that one: created by a peer meanwhile
                     raise TopicSetupError(
-                        f"creating topic {name!r} failed: {error.__name__}: {message}")
+                        f"creating topic {name!r} failed: {error.__name__}: {message}"
+                    )
         counts = await _wait_until_ready(admin, list(topics), timeout)
     finally:
         await admin.close()
     for name, wanted in topics.items():
         if counts[name] < wanted:
-            log.warning("topic %s has %d partition(s), fewer than the %d configured: running with "
-                        "less parallelism (add partitions with kafka-topics --alter if wanted; "
-                        "this moves keys, so do it while the topic is idle)",
-                        name, counts[name], wanted)
+            log.warning(
+                "topic %s has %d partition(s), fewer than the %d configured: running with "
+                "less parallelism (add partitions with kafka-topics --alter if wanted; "
+                "this moves keys, so do it while the topic is idle)",
+                name,
+                counts[name],
+                wanted,
+            )
     return counts
 
 
-async def _partition_counts(admin: AIOKafkaAdminClient, names: list[str],
-                            need_leaders: bool = False) -> dict[str, int]:
+async def _partition_counts(
+    admin: AIOKafkaAdminClient, names: list[str], need_leaders: bool = False
+) -> dict[str, int]:
     """Partition counts of the given topics that exist (with leaders, when asked)."""
     found = {}
     for topic in await admin.describe_topics(names):
         error = for_code(topic["error_code"])
-        if error is UnknownTopicOrPartitionError or (topic["error_code"] == 0
-                                                     and not topic["partitions"]):
+        if error is UnknownTopicOrPartitionError or (
+            topic["error_code"] == 0 and not topic["partitions"]
+        ):
             continue
         if topic["error_code"] not in (0, 5):  # 5: LEADER_NOT_AVAILABLE just after creation
             raise TopicSetupError(f"describing topic {topic['topic']!r} failed: {error.__name__}")
         partitions = topic["partitions"]
-        if need_leaders and (topic["error_code"] != 0
-                             or any(p["error_code"] != 0 or p["leader"] < 0 for p in partitions)):
+        if need_leaders and (
+            topic["error_code"] != 0
+            or any(p["error_code"] != 0 or p["leader"] < 0 for p in partitions)
+        ):
             continue
         found[topic["topic"]] = len(partitions)
     return found
 
 
-async def _wait_until_ready(admin: AIOKafkaAdminClient, names: list[str],
-                            timeout: float) -> dict[str, int]:
+async def _wait_until_ready(
+    admin: AIOKafkaAdminClient, names: list[str], timeout: float
+) -> dict[str, int]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
@@ -105,5 +126,6 @@ async def _wait_until_ready(admin: AIOKafkaAdminClient, names: list[str],
 
 def _topic_errors(response) -> list[tuple[str, int, str | None]]:
     # CreateTopicsResponse v1+ carries (topic, error_code, error_message); v0 lacks the message.
-    return [(item[0], item[1], item[2] if len(item) > 2 else None)
-            for item in response.topic_errors]
+    return [
+        (item[0], item[1], item[2] if len(item) > 2 else None) for item in response.topic_errors
+    ]

@@ -11,9 +11,16 @@ parameters) does not load torch: the command line starts fast.
 from importlib import import_module
 
 _EXPORTS = {
-    "EngineConfig": "config", "ModelConfig": "config", "LLMEngine": "engine", "EngineError": "errors",
-    "GenerateResult": "outputs", "SampleResult": "outputs", "StepOutput": "outputs", "Timings": "outputs",
-    "Usage": "outputs", "SamplingParams": "sampling_params",
+    "EngineConfig": "config",
+    "ModelConfig": "config",
+    "LLMEngine": "engine",
+    "EngineError": "errors",
+    "GenerateResult": "outputs",
+    "SampleResult": "outputs",
+    "StepOutput": "outputs",
+    "Timings": "outputs",
+    "Usage": "outputs",
+    "SamplingParams": "sampling_params",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,6 +18,7 @@ a padded batch for SDPA (SmolLM2, float32, 2 cores). Each prefill chunk runs on 
 SDPA, with a causal mask shifted by the tokens already in the cache (or `is_causal`, on the step's
 own K/V, when the chunk is the start of its sequence), so no query is ever padded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 from .step_plan import StepPlan
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
     """Shape of one layer's K (or V) cache."""
     return (num_blocks, num_kv_heads, block_size, head_dim)
 
@@ -37,11 +40,15 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 def _write_rows(slots: np.ndarray, block_size: int, num_kv_heads: int) -> np.ndarray:
     """[T] slots -> [T * Hkv] rows (token-major) of the cache viewed as [num_slots * Hkv, D]."""
     heads = np.arange(num_kv_heads)[None, :]
-    return (((slots // block_size)[:, None] * num_kv_heads + heads) * block_size + (slots % block_size)[:, None]).reshape(-1)
+    return (
+        ((slots // block_size)[:, None] * num_kv_heads + heads) * block_size
+        + (slots % block_size)[:, None]
+    ).reshape(-1)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             plan: StepPlan) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan
+) -> None:
     """k, v [T, Hkv, D] -> the cache slots of the step (cache as in `kv_cache_shape`), through the
     rows `plan.torch_attention.write_rows`."""
     d = k_cache.shape[-1]
@@ -72,9 +79,12 @@ class _Prefill:
 class _Decodes:
     """Decode sequences d = 0..n-1 and the cache blocks they read, as `rows` of work: row r is cache
     block `block` (of each KV head) read for sequence `owner` (n = nobody: a gap in a run)."""
+
     tokens: torch.Tensor  # [n] flat-batch index of each decode token
     runs: list[tuple[int, int, int]]  # (first row, first cache block, number of blocks): in place
-    dup_blocks: torch.Tensor | None  # cache blocks read by a second sequence (shared prefix): gathered
+    dup_blocks: (
+        torch.Tensor | None
+    )  # cache blocks read by a second sequence (shared prefix): gathered
     dup_start: int  # first row of the gathered blocks
     num_rows: int
     q_owner: torch.Tensor  # [rows] whose query each row uses (gaps use sequence 0, thrown away)
@@ -98,14 +108,24 @@ def _torch_plan(plan: StepPlan) -> TorchAttentionPlan:
     return plan.torch_attention
 
 
-def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.ndarray, bs: int, win: int | None, dev) -> _Decodes:
+def _plan_decodes(
+    dec: np.ndarray,
+    slens: np.ndarray,
+    qsl: np.ndarray,
+    bt: np.ndarray,
+    bs: int,
+    win: int | None,
+    dev,
+) -> _Decodes:
     n = len(dec)
     lens = slens[dec]
     nblk = -(-lens // bs)
     maxblk = int(nblk.max())
     grid_valid = np.arange(maxblk)[None, :] < nblk[:, None]  # [n, maxblk]
     pair_seq = np.repeat(np.arange(n), nblk)  # pairs (sequence, its j-th block), sequence-major
-    pair_grid = np.flatnonzero(grid_valid.reshape(-1))  # grid position (d * maxblk + j) of each pair
+    pair_grid = np.flatnonzero(
+        grid_valid.reshape(-1)
+    )  # grid position (d * maxblk + j) of each pair
     pair_blk = bt[dec][:, :maxblk][grid_valid]
     # A cache block shared by several decodes (a common prefix) is read in place for the first and
     # gathered for the others.
@@ -140,14 +160,22 @@ def _plan_decodes(dec: np.ndarray, slens: np.ndarray, qsl: np.ndarray, bt: np.nd
     mask = np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None, None, :]
     cat = np.concatenate
     return _Decodes(
-        tokens=dev(qsl[dec]), runs=runs, dup_blocks=dev(pair_blk[dups]) if len(dups) else None,
-        dup_start=dup_start, num_rows=row, q_owner=dev(cat(q_owner)),
-        grid=dev(grid), row_grid=dev(cat(row_grid)), max_blocks=maxblk, mask=dev(mask),
+        tokens=dev(qsl[dec]),
+        runs=runs,
+        dup_blocks=dev(pair_blk[dups]) if len(dups) else None,
+        dup_start=dup_start,
+        num_rows=row,
+        q_owner=dev(cat(q_owner)),
+        grid=dev(grid),
+        row_grid=dev(cat(row_grid)),
+        max_blocks=maxblk,
+        mask=dev(mask),
     )
 
 
-def plan_torch_attention(plan: StepPlan, num_kv_heads: int, *, decodes: bool = True,
-                         write_rows: bool = True) -> TorchAttentionPlan:
+def plan_torch_attention(
+    plan: StepPlan, num_kv_heads: int, *, decodes: bool = True, write_rows: bool = True
+) -> TorchAttentionPlan:
     """Indices and masks of the torch path for this step, built on the host.
 
     decodes=False skips planning the decodes (a decode kernel reads the cache itself);
@@ -183,7 +211,9 @@ def plan_torch_attention(plan: StepPlan, num_kv_heads: int, *, decodes: bool = T
     return TorchAttentionPlan(planned, prefills, rows)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Decodes, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Decodes, scale: float
+) -> torch.Tensor:
     """q [n, Hkv, G, D] (one token per sequence) -> [n, Hkv, G, D]."""
     n, hkv, g, d = q.shape
     bs = k_cache.shape[2]
@@ -200,10 +230,15 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         width = bs if transpose else d
         out = a.new_empty(p.num_rows + 1, hkv, g, width)
         out[p.num_rows].zero_()
-        for row, lo, count in p.runs + ([(p.dup_start, None, dup.shape[0])] if dup is not None else []):
+        for row, lo, count in p.runs + (
+            [(p.dup_start, None, dup.shape[0])] if dup is not None else []
+        ):
             blocks = (cache[lo : lo + count] if lo is not None else dup).view(count * hkv, bs, d)
-            torch.bmm(a[row : row + count].view(count * hkv, g, -1), blocks.transpose(1, 2) if transpose else blocks,
-                      out=out[row : row + count].view(count * hkv, g, width))
+            torch.bmm(
+                a[row : row + count].view(count * hkv, g, -1),
+                blocks.transpose(1, 2) if transpose else blocks,
+                out=out[row : row + count].view(count * hkv, g, width),
+            )
         return out
 
     scores = per_block(qrows, k_cache, k_dup, transpose=True)  # [rows, Hkv, G, bs]
@@ -211,8 +246,14 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     s = scores.index_select(0, p.grid).view(n, p.max_blocks, hkv, g, bs).permute(0, 2, 3, 1, 4)
     s = s.reshape(n, hkv, g, p.max_blocks * bs).float()
     probs = torch.softmax(s.add_(p.mask), dim=-1).to(dtype)
-    probs = probs.view(n, hkv, g, p.max_blocks, bs).permute(0, 3, 1, 2, 4).reshape(n * p.max_blocks, hkv, g, bs)
-    partial = per_block(probs.index_select(0, p.row_grid), v_cache, v_dup, transpose=False)  # [rows, Hkv, G, D]
+    probs = (
+        probs.view(n, hkv, g, p.max_blocks, bs)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(n * p.max_blocks, hkv, g, bs)
+    )
+    partial = per_block(
+        probs.index_select(0, p.row_grid), v_cache, v_dup, transpose=False
+    )  # [rows, Hkv, G, D]
     # Each sequence's blocks side by side, padding reading the zero row, summed. (Not index_add_
     # by owner: on the CPU it runs ~4x slower in a thread other than the main one, where the
     # pipeline's runner steps the engine.)
@@ -222,8 +263,13 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan, scale: float,
-    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+    scale: float,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; token i of seq b attends to its context positions <= its own.
 
@@ -246,7 +292,9 @@ def paged_attention(
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, prefills: list[_Prefill], out, scale: float, k=None, v=None) -> None:
+def prefill_attention(
+    q, k_cache, v_cache, prefills: list[_Prefill], out, scale: float, k=None, v=None
+) -> None:
     """Each prefill chunk through SDPA, into `out` (its own K/V when it starts its sequence)."""
     t, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
@@ -260,6 +308,12 @@ def prefill_attention(q, k_cache, v_cache, prefills: list[_Prefill], out, scale:
             ki = kblocks.index_select(0, p.blocks).view(hkv, -1, d)[:, : p.length]
             vi = vblocks.index_select(0, p.blocks).view(hkv, -1, d)[:, : p.length]
         o = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
+            qi,
+            ki,
+            vi,
+            attn_mask=p.mask,
+            is_causal=p.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
         )
         out[p.start : p.end] = o.transpose(0, 1)

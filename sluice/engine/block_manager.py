@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from typing import Sequence as _Seq
+from collections.abc import Sequence as _Seq
 
 from sluice.engine.sequence import Sequence
 
@@ -41,7 +41,9 @@ def hash_block(parent_hash: bytes, token_ids: _Seq[int]) -> bytes:
     return h.digest()
 
 
-def prefix_block_hashes(token_ids: _Seq[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+def prefix_block_hashes(
+    token_ids: _Seq[int], block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
     """Chained hashes of every full block of `token_ids` (what a router can use for cache affinity)."""
     out: list[bytes] = []
     parent = root_hash(cache_salt)
@@ -94,7 +96,9 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -164,7 +168,9 @@ class BlockManager:
         from there. The first allocation ever also sets seq.num_cached_tokens.
         """
         if not self.can_allocate(seq, num_new_tokens):
-            raise NoFreeBlocksError(f"not enough free KV blocks for {num_new_tokens} tokens of {seq!r}")
+            raise NoFreeBlocksError(
+                f"not enough free KV blocks for {num_new_tokens} tokens of {seq!r}"
+            )
         if not seq.block_table:
             if seq.num_computed_tokens != 0:
                 raise ValueError(f"{seq!r} holds no blocks but claims computed tokens")
@@ -261,4 +267,6 @@ class BlockManager:
             self.block_hash[block] = None
             self._free_plain.append(block)
         self._free_cached.clear()
-        self._hash_to_block = {h: b for h, b in self._hash_to_block.items() if self.ref_counts[b] > 0}
+        self._hash_to_block = {
+            h: b for h, b in self._hash_to_block.items() if self.ref_counts[b] > 0
+        }

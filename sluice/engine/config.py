@@ -1,4 +1,5 @@
 """Configuration of the model (what the weights are) and of the engine (how it runs them)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
         archs = d.get("architectures") or []
         arch = None
@@ -85,11 +86,16 @@ class ModelConfig:
 
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise _error(f"{source}: unsupported hidden_act {act!r} in field 'hidden_act' (only 'silu')", "hidden_act")
+            raise _error(
+                f"{source}: unsupported hidden_act {act!r} in field 'hidden_act' (only 'silu')",
+                "hidden_act",
+            )
         if d.get("mlp_bias"):
             raise _error(f"{source}: unsupported field 'mlp_bias'=true", "mlp_bias")
         if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise _error(f"{source}: unsupported field 'partial_rotary_factor'", "partial_rotary_factor")
+            raise _error(
+                f"{source}: unsupported field 'partial_rotary_factor'", "partial_rotary_factor"
+            )
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
@@ -113,7 +119,10 @@ class ModelConfig:
         if arch == "mistral":
             sliding = d.get("sliding_window")
         elif arch == "qwen2" and d.get("use_sliding_window"):
-            raise _error(f"{source}: unsupported field 'use_sliding_window'=true for qwen2", "use_sliding_window")
+            raise _error(
+                f"{source}: unsupported field 'use_sliding_window'=true for qwen2",
+                "use_sliding_window",
+            )
 
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -143,7 +152,9 @@ def normalize_rope_scaling(params: dict, rope_type: str, source: str) -> dict | 
     if rope_type in (None, "default"):
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise _error(f"{source}: unsupported rope type {rope_type!r} in field 'rope_scaling'", "rope_scaling")
+        raise _error(
+            f"{source}: unsupported rope type {rope_type!r} in field 'rope_scaling'", "rope_scaling"
+        )
     out = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
     out["rope_type"] = rope_type
     return out
@@ -156,7 +167,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 @dataclass
 class EngineConfig:
     block_size: int = 16
-    kv_cache_bytes: int | None = None  # budget for K+V of all layers; None -> default (see model_runner)
+    kv_cache_bytes: int | None = (
+        None  # budget for K+V of all layers; None -> default (see model_runner)
+    )
     gpu_memory_fraction: float = 0.85  # used on CUDA when kv_cache_bytes is None
     max_num_batched_tokens: int = 2048  # per-step token budget
     max_num_seqs: int = 256
@@ -206,5 +219,7 @@ def torch_dtype(dtype):
         return dtype
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
-        raise ConfigError(f"unsupported dtype {dtype!r}; choose one of {sorted(dtypes)}", field="dtype")
+        raise ConfigError(
+            f"unsupported dtype {dtype!r}; choose one of {sorted(dtypes)}", field="dtype"
+        )
     return dtypes[dtype]

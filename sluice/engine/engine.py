@@ -23,7 +23,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
 import torch
@@ -60,7 +61,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.finish_reason is not None for s in self.seqs)
+        return len(self.seqs) == self.params.n and all(
+            s.finish_reason is not None for s in self.seqs
+        )
 
 
 class LLMEngine:
@@ -74,7 +77,9 @@ class LLMEngine:
         """model: a HF model directory, a .gguf file, or None for the default model."""
         self.config = config or EngineConfig()
         if self.config.device == "auto":
-            self.config = replace(self.config, device="cuda" if torch.cuda.is_available() else "cpu")
+            self.config = replace(
+                self.config, device="cuda" if torch.cuda.is_available() else "cpu"
+            )
         started = time.monotonic()
         self.loaded = loaded or load_model(model)
         self.model_config: ModelConfig = self.loaded.config
@@ -83,8 +88,13 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.ops = resolve_kernel_ops(self.config.kernels, torch.device(self.config.device).type)
         model_obj = build_model(
-            self.model_config, self.loaded.tensors, self.config.torch_dtype, self.config.device,
-            quantization=self.config.quantization, ops=self.ops, source=self.loaded.source,
+            self.model_config,
+            self.loaded.tensors,
+            self.config.torch_dtype,
+            self.config.device,
+            quantization=self.config.quantization,
+            ops=self.ops,
+            source=self.loaded.source,
         )
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         num_blocks = num_kv_blocks(self.model_config, self.config)
@@ -96,7 +106,9 @@ class LLMEngine:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}
-        self._pending: list[StepOutput] = []  # finals of aborted requests, returned by the next step
+        self._pending: list[
+            StepOutput
+        ] = []  # finals of aborted requests, returned by the next step
         self._ids = itertools.count()
         self.memory = memory_report(self.model_config, self.config, model_obj, self.runner)
         self._log_ready(time.monotonic() - started, num_blocks)
@@ -113,19 +125,35 @@ class LLMEngine:
             "weights %.0f MiB (%s; %.0f MiB as plain %s tensors); KV cache %d blocks x %d tokens "
             "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); "
             "max_model_len %d; max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
-            seconds, self.model_id, self.model_config.architecture,
-            self.model_config.num_hidden_layers, c.dtype, c.device, self.kernels,
-            m.weight_bytes / 2**20, c.quantization or "unquantized",
-            m.weight_bytes_unquantized / 2**20, c.dtype,
-            num_blocks, c.block_size, m.kv_cache_bytes / 2**20, m.kv_dtype, m.kv_tokens,
-            m.kv_tokens_gain, c.dtype, self.max_model_len,
-            c.max_num_batched_tokens, c.max_num_seqs,
+            seconds,
+            self.model_id,
+            self.model_config.architecture,
+            self.model_config.num_hidden_layers,
+            c.dtype,
+            c.device,
+            self.kernels,
+            m.weight_bytes / 2**20,
+            c.quantization or "unquantized",
+            m.weight_bytes_unquantized / 2**20,
+            c.dtype,
+            num_blocks,
+            c.block_size,
+            m.kv_cache_bytes / 2**20,
+            m.kv_dtype,
+            m.kv_tokens,
+            m.kv_tokens_gain,
+            c.dtype,
+            self.max_model_len,
+            c.max_num_batched_tokens,
+            c.max_num_seqs,
             "on" if c.enable_prefix_caching else "off",
         )
         if c.dtype == "float32" and self.ops.suggests_bfloat16():
-            log.info("this CPU multiplies bfloat16 natively: --dtype bfloat16 "
-                     "(EngineConfig(dtype='bfloat16')) is much faster (~1.7x in "
-                     "docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision")
+            log.info(
+                "this CPU multiplies bfloat16 natively: --dtype bfloat16 "
+                "(EngineConfig(dtype='bfloat16')) is much faster (~1.7x in "
+                "docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision"
+            )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -152,25 +180,39 @@ class LLMEngine:
         prompt, ids = self._prompt_ids(prompt, prompt_token_ids, messages)
         check_prompt_fits(len(ids), self.max_model_len)
         now = time.monotonic()
-        seq = self._new_sequence(Sequence(request_id, ids, max_tokens=params.max_tokens,
-                                          priority=priority, arrival_time=now,
-                                          cache_salt=cache_salt), params)
+        seq = self._new_sequence(
+            Sequence(
+                request_id,
+                ids,
+                max_tokens=params.max_tokens,
+                priority=priority,
+                arrival_time=now,
+                cache_salt=cache_salt,
+            ),
+            params,
+        )
         self.scheduler.add(seq)  # raises if it could never fit in the KV cache
         self._requests[request_id] = Request(request_id, prompt, ids, params, now, [seq])
         return request_id
 
-    def _prompt_ids(self, prompt: str | None, prompt_token_ids: Seq[int] | None,
-                    messages: Seq[dict] | None) -> tuple[str | None, list[int]]:
+    def _prompt_ids(
+        self, prompt: str | None, prompt_token_ids: Seq[int] | None, messages: Seq[dict] | None
+    ) -> tuple[str | None, list[int]]:
         """The prompt's text (when it has one) and token ids, checked against the model."""
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
-            raise EngineError("give exactly one of prompt, prompt_token_ids or messages", field="prompt")
+            raise EngineError(
+                "give exactly one of prompt, prompt_token_ids or messages", field="prompt"
+            )
         if prompt_token_ids is not None:
             ids = [int(t) for t in prompt_token_ids]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise EngineError(f"token id {bad[0]} is outside the vocabulary "
-                                  f"(size {self.model_config.vocab_size})", field="prompt_token_ids")
+                raise EngineError(
+                    f"token id {bad[0]} is outside the vocabulary "
+                    f"(size {self.model_config.vocab_size})",
+                    field="prompt_token_ids",
+                )
         elif self.tokenizer is None:
             raise EngineError("this model has no tokenizer: pass prompt_token_ids", field="prompt")
         elif messages is not None:
@@ -189,8 +231,12 @@ class LLMEngine:
     def _new_sequence(self, seq: Sequence, params: SamplingParams) -> Sequence:
         """Give a sequence its detokenizer and, for a seeded sampled request, its generator."""
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.stop,
-                                                     skip_special_tokens=params.skip_special_tokens)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                seq.prompt_token_ids,
+                params.stop,
+                skip_special_tokens=params.skip_special_tokens,
+            )
         if params.seed is not None and not params.greedy:
             seq.generator = torch.Generator(device=self.runner.device)
             seq.generator.manual_seed((params.seed + seq.index) % 2**64)
@@ -258,8 +304,9 @@ class LLMEngine:
             del self._requests[request_id]
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int,
-                       params: SamplingParams) -> tuple[str | None, str | int | None, str]:
+    def _finish_reason(
+        self, seq: Sequence, token: int, params: SamplingParams
+    ) -> tuple[str | None, str | int | None, str]:
         """The one place a completion's end is decided, after its new token: (finish reason or
         None, stop reason, the token's text delta)."""
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -275,8 +322,14 @@ class LLMEngine:
             return "length", None, delta
         return None, None, delta
 
-    def _advance(self, request: Request, seq: Sequence, token: int,
-                 logprobs: TokenLogprobs | None, now: float) -> StepOutput:
+    def _advance(
+        self,
+        request: Request,
+        seq: Sequence,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        now: float,
+    ) -> StepOutput:
         """Account for one new token of a sequence: text, stop checks, finishing."""
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -286,23 +339,44 @@ class LLMEngine:
         reason, stop_reason, delta = self._finish_reason(seq, token, request.params)
         if reason is None:
             seq.text += delta
-            return StepOutput(request.request_id, seq.index, [token], delta,
-                              logprobs=[logprobs] if logprobs else [])
+            return StepOutput(
+                request.request_id,
+                seq.index,
+                [token],
+                delta,
+                logprobs=[logprobs] if logprobs else [],
+            )
         if seq.detokenizer is not None and not seq.detokenizer.stopped:
             delta += seq.detokenizer.flush()  # held-back text that turned out not to be a stop
         seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
         self.scheduler.finish(seq)
         return self._final_output(request, seq, [token], delta, [logprobs] if logprobs else [])
 
-    def _final_output(self, request: Request, seq: Sequence, tokens: list[int], delta: str,
-                      logprobs: list[TokenLogprobs] | None = None) -> StepOutput:
+    def _final_output(
+        self,
+        request: Request,
+        seq: Sequence,
+        tokens: list[int],
+        delta: str,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> StepOutput:
         seq.text += delta
-        return StepOutput(request.request_id, seq.index, tokens, delta, finished=True,
-                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                          logprobs=logprobs or [], usage=self._usage(request),
-                          timings=self._timings(request, seq))
+        return StepOutput(
+            request.request_id,
+            seq.index,
+            tokens,
+            delta,
+            finished=True,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs or [],
+            usage=self._usage(request),
+            timings=self._timings(request, seq),
+        )
 
-    def _fork_samples(self, request: Request, logits_row: torch.Tensor, now: float) -> list[StepOutput]:
+    def _fork_samples(
+        self, request: Request, logits_row: torch.Tensor, now: float
+    ) -> list[StepOutput]:
         """n > 1: after the prompt's first sampling step, the other samples branch off it.
 
         They share the prompt's KV blocks; each draws its own first token from the same logits.
@@ -312,7 +386,8 @@ class LLMEngine:
         for index in range(1, request.params.n):
             child = self._new_sequence(
                 parent.fork(request.request_id, num_tokens=parent.num_prompt_tokens, index=index),
-                request.params)
+                request.params,
+            )
             drawn = self.sampler(logits_row, [child], [request.params], [child.generator])
             token = drawn.token_ids[0]
             child.append_token(token)
@@ -325,9 +400,11 @@ class LLMEngine:
 
     def _usage(self, request: Request) -> Usage:
         completion = sum(s.num_output_tokens for s in request.seqs)
-        return Usage(prompt_tokens=len(request.prompt_token_ids),
-                     cached_tokens=request.seqs[0].num_cached_tokens,
-                     completion_tokens=completion)
+        return Usage(
+            prompt_tokens=len(request.prompt_token_ids),
+            cached_tokens=request.seqs[0].num_cached_tokens,
+            completion_tokens=completion,
+        )
 
     def _timings(self, request: Request, seq: Sequence) -> Timings:
         def since(t: float | None, start: float | None) -> float | None:
@@ -337,10 +414,12 @@ class LLMEngine:
         tpot = None
         if n > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
             tpot = (seq.last_token_time - seq.first_token_time) / (n - 1)
-        return Timings(queue_s=since(request.first_scheduled_time, request.arrival_time),
-                       ttft_s=since(seq.first_token_time, request.arrival_time),
-                       tpot_s=tpot,
-                       total_s=since(seq.finished_time, request.arrival_time))
+        return Timings(
+            queue_s=since(request.first_scheduled_time, request.arrival_time),
+            ttft_s=since(seq.first_token_time, request.arrival_time),
+            tpot_s=tpot,
+            total_s=since(seq.finished_time, request.arrival_time),
+        )
 
     # -- blocking convenience ------------------------------------------------------------------
 
@@ -356,14 +435,25 @@ class LLMEngine:
         """Run the given prompts to completion together; results in the order given."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        kinds = [(k, list(v)) for k, v in (("prompt", prompts), ("prompt_token_ids", prompt_token_ids),
-                                           ("messages", messages)) if v is not None]
+        kinds = [
+            (k, list(v))
+            for k, v in (
+                ("prompt", prompts),
+                ("prompt_token_ids", prompt_token_ids),
+                ("messages", messages),
+            )
+            if v is not None
+        ]
         if len(kinds) != 1:
-            raise EngineError("give exactly one of prompts, prompt_token_ids or messages", field="prompt")
+            raise EngineError(
+                "give exactly one of prompts, prompt_token_ids or messages", field="prompt"
+            )
         kind, items = kinds[0]
         per_item = list(params) if isinstance(params, (list, tuple)) else [params] * len(items)
         if len(per_item) != len(items):
-            raise EngineError(f"{len(per_item)} sampling params for {len(items)} prompts", field="params")
+            raise EngineError(
+                f"{len(per_item)} sampling params for {len(items)} prompts", field="params"
+            )
         ids = []
         try:
             for item, p in zip(items, per_item):
@@ -380,10 +470,21 @@ class LLMEngine:
 
     def _result(self, request: Request) -> GenerateResult:
         samples = [
-            SampleResult(index=s.index, token_ids=s.output_token_ids, text=s.text,
-                         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                         logprobs=s.logprobs, timings=self._timings(request, s))
+            SampleResult(
+                index=s.index,
+                token_ids=s.output_token_ids,
+                text=s.text,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=s.logprobs,
+                timings=self._timings(request, s),
+            )
             for s in sorted(request.seqs, key=lambda s: s.index)
         ]
-        return GenerateResult(request.request_id, request.prompt, request.prompt_token_ids,
-                              samples, self._usage(request))
+        return GenerateResult(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            samples,
+            self._usage(request),
+        )

@@ -3,6 +3,7 @@
 Reported by the engine at start (its log line and `LLMEngine.memory`), so a user choosing
 `--quantization int8` or `--kv-cache-dtype int8` sees the bytes and how many more tokens fit.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,11 @@ class MemoryReport:
         return self.kv_tokens / max(1, self.kv_tokens_unquantized)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "weight_shrink": self.weight_shrink, "kv_tokens_gain": self.kv_tokens_gain}
+        return {
+            **asdict(self),
+            "weight_shrink": self.weight_shrink,
+            "kv_tokens_gain": self.kv_tokens_gain,
+        }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -50,7 +55,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def memory_report(model_config: ModelConfig, engine_config: EngineConfig, model, runner) -> MemoryReport:
+def memory_report(
+    model_config: ModelConfig, engine_config: EngineConfig, model, runner
+) -> MemoryReport:
     c, e = model_config, engine_config
     element = torch.empty(0, dtype=e.torch_dtype).element_size()
     unquantized = element * sum(math.prod(shape) for shape in expected_shapes(c).values())

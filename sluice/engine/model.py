@@ -10,6 +10,7 @@ logits match transformers to ~1e-6.
 The weights come from `loader` (tensor names and shapes are the loader's business) and may be
 transformed after building (packed for oneDNN, quantized: `weights.transform_weights`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,15 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(w.gate_up)
         self.down = Linear(w.down)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope, plan: StepPlan,
-                cache: LayerKVCache, ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope,
+        plan: StepPlan,
+        cache: LayerKVCache,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (x, residual): the layer's input is x + residual (residual None: x)."""
         t = x.shape[0]
         h, residual = ops.add_rmsnorm(x, residual, self.input_norm, self.eps)
@@ -98,8 +106,9 @@ class CausalLM(nn.Module):
         return self.norm.device
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, plan: StepPlan,
-                kv_caches: list[LayerKVCache]) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, plan: StepPlan, kv_caches: list[LayerKVCache]
+    ) -> torch.Tensor:
         """input_ids [T] (at `plan.positions`) -> final-norm hidden states [T, H]."""
         ops = self.ops
         x = self.embed_tokens(input_ids)

@@ -4,6 +4,7 @@ returns logits.
 It owns the paged KV cache: per layer a `LayerKVCache`, K and V of [num_blocks, Hkv, block_size, D]
 (`attention.kv_cache_shape`) in the model dtype, or quantized with per-block-and-head scales.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,7 +54,9 @@ def kv_cache_budget(engine_config: EngineConfig) -> int:
 
 def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
     """Number of KV blocks that fit the budget (never more than max_num_seqs full-length seqs need)."""
-    per_block = bytes_per_block(model_config, engine_config.block_size, engine_config.kv_torch_dtype)
+    per_block = bytes_per_block(
+        model_config, engine_config.block_size, engine_config.kv_torch_dtype
+    )
     budget = kv_cache_budget(engine_config)
     n = budget // per_block
     max_len = engine_config.max_model_len or model_config.max_position_embeddings
@@ -67,20 +70,28 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: ModelConfig, engine_config: EngineConfig, num_blocks: int):
+    def __init__(
+        self, model: CausalLM, config: ModelConfig, engine_config: EngineConfig, num_blocks: int
+    ):
         self.model = model
         self.config = config
         self.engine_config = engine_config
         self.block_size = engine_config.block_size
         self.num_blocks = num_blocks
         self.device = model.device
-        shape = kv_cache_shape(num_blocks, self.block_size, config.num_key_value_heads, config.head_dim)
+        shape = kv_cache_shape(
+            num_blocks, self.block_size, config.num_key_value_heads, config.head_dim
+        )
         kv_dtype = engine_config.kv_torch_dtype
         if kv_dtype == torch.float8_e4m3fn and self.device.type != "cuda":
-            raise ConfigError("kv_cache_dtype='fp8' needs a CUDA device; use 'int8' on the CPU",
-                              field="kv_cache_dtype")
-        self.kv_caches = [LayerKVCache.allocate(shape, kv_dtype, self.device)
-                          for _ in range(config.num_hidden_layers)]
+            raise ConfigError(
+                "kv_cache_dtype='fp8' needs a CUDA device; use 'int8' on the CPU",
+                field="kv_cache_dtype",
+            )
+        self.kv_caches = [
+            LayerKVCache.allocate(shape, kv_dtype, self.device)
+            for _ in range(config.num_hidden_layers)
+        ]
         self.attention = AttentionSpec.of(config, model.dtype, self.kv_caches[0])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -92,10 +103,18 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
-    def plan(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> StepPlan:
+    def plan(
+        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
+    ) -> StepPlan:
         """The step's plan: its layout, and what the model's kernels precompute for it."""
-        layout = build_step_plan(query_lens, seq_lens, block_tables, self.block_size, self.device,
-                                 self.config.sliding_window)
+        layout = build_step_plan(
+            query_lens,
+            seq_lens,
+            block_tables,
+            self.block_size,
+            self.device,
+            self.config.sliding_window,
+        )
         return self.model.ops.plan(layout, self.attention)
 
     @torch.inference_mode()
@@ -124,4 +143,6 @@ class ModelRunner:
                 last.append(offset - 1)
         if not last:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, torch.tensor(last, device=self.device)))
+        return self.model.compute_logits(
+            hidden.index_select(0, torch.tensor(last, device=self.device))
+        )

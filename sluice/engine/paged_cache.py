@@ -6,6 +6,7 @@ float32 scale per tensor, value = stored * scale; a block's scale only grows as 
 and earlier entries are requantized when it does (see `kernels.kv_cache`). Per block and head
 keeps outliers of one head or one stretch of context from costing the others precision.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,14 +26,20 @@ class LayerKVCache:
     v_scale: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device) -> "LayerKVCache":
+    def allocate(
+        cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device
+    ) -> LayerKVCache:
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
         if dtype not in QUANTIZED_KV_DTYPES:
             return cls(k, v)
         scales = shape[:2]
-        return cls(k, v, torch.zeros(scales, dtype=torch.float32, device=device),
-                   torch.zeros(scales, dtype=torch.float32, device=device))
+        return cls(
+            k,
+            v,
+            torch.zeros(scales, dtype=torch.float32, device=device),
+            torch.zeros(scales, dtype=torch.float32, device=device),
+        )
 
     @property
     def quantized(self) -> bool:

@@ -4,6 +4,7 @@ The inverse frequencies follow transformers' `modeling_rope_utils` formulas step
 positions rotate bit-for-bit as they do there. cos/sin are computed per step for the positions in
 the batch (a [T, D/2] outer product: cheaper than a table for long contexts) and shared by all layers.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,7 +91,9 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, self.scale = inv_freq_and_scale(config)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D/2] in `dtype` (computed in float32 like HF, then cast)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()

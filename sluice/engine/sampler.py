@@ -44,7 +44,9 @@ class TokenLogprobs:
     token_id: int  # the chosen token
     logprob: float  # its log-probability
     rank: int  # 1 = it was the most likely token
-    top: list[tuple[int, float]]  # the `logprobs` most likely (token id, logprob), most likely first
+    top: list[
+        tuple[int, float]
+    ]  # the `logprobs` most likely (token id, logprob), most likely first
 
 
 @dataclass
@@ -71,12 +73,16 @@ class Sampler:
         `num_prompt_tokens`. A generator must live on the logits' device. `logits` is not modified."""
         n = logits.shape[0]
         if not (len(seqs) == len(params) == len(generators) == n):
-            raise ValueError(f"{n} logit rows but {len(seqs)} seqs, {len(params)} params, {len(generators)} generators")
+            raise ValueError(
+                f"{n} logit rows but {len(seqs)} seqs, {len(params)} params, {len(generators)} generators"
+            )
         if n == 0:
             return SamplerOutput([], [])
         device = logits.device
         x = logits.float()
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params):
+        if any(
+            p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params
+        ):
             x = x.clone()
             apply_penalties(x, seqs, params)
         if any(p.temperature not in (0, 1) for p in params):
@@ -115,7 +121,9 @@ def apply_penalties(logits: torch.Tensor, seqs: Sequence, params: Sequence[Sampl
 
     def pairs(rows: list[int], lists: list[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token id) for every token of every list, rows given as indices into `logits`."""
-        ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long, device=device)
+        ids = torch.tensor(
+            list(itertools.chain.from_iterable(lists)), dtype=torch.long, device=device
+        )
         lens = torch.tensor([len(t) for t in lists], device=device)
         return torch.repeat_interleave(_index(rows, device), lens), ids
 
@@ -147,7 +155,9 @@ def kept_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         rows = _index(narrow, logits.device)
         vals, idx = _candidates(logits[rows], [params[i] for i in narrow])
         hits = torch.zeros(len(narrow), logits.shape[1], device=logits.device)
-        kept[rows] = hits.scatter_add_(1, idx, torch.isfinite(vals).float()) > 0  # idx may repeat padding
+        kept[rows] = (
+            hits.scatter_add_(1, idx, torch.isfinite(vals).float()) > 0
+        )  # idx may repeat padding
     if wide:
         rows = _index(wide, logits.device)
         kept[rows] = torch.isfinite(_min_p(logits[rows], [params[i] for i in wide]))
@@ -158,7 +168,9 @@ def _narrows(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1
 
 
-def draw_torch(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence) -> torch.Tensor:
+def draw_torch(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence
+) -> torch.Tensor:
     """One token per row from the truncated softmax of `logits` (not modified)."""
     device = logits.device
     u = _uniforms(generators, device)
@@ -167,7 +179,9 @@ def draw_torch(logits: torch.Tensor, params: Sequence[SamplingParams], generator
     wide = [i for i, p in enumerate(params) if not _narrows(p, logits.shape[1])]
     if narrow:  # sample among the candidates only
         rows = _index(narrow, device)
-        vals, idx = _candidates(logits[rows] if len(narrow) < len(params) else logits, [params[i] for i in narrow])
+        vals, idx = _candidates(
+            logits[rows] if len(narrow) < len(params) else logits, [params[i] for i in narrow]
+        )
         tokens[rows] = idx.gather(1, _inverse_cdf(vals, u[rows]).unsqueeze(1)).squeeze(1)
     if wide:
         rows = _index(wide, device)
@@ -204,12 +218,16 @@ def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     if not any(p.min_p > 0 for p in params):
         return logits
     # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed.
-    log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=logits.device)
+    log_min_p = torch.tensor(
+        [math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], device=logits.device
+    )
     floor = logits.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1)
     return logits.masked_fill(logits < floor, -math.inf)
 
 
-def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+def _candidates(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For rows with top-k and/or top-p: (logits, token ids) of the best candidates, best first,
     with -inf where min-p, top-k or top-p drops a candidate."""
     vocab = logits.shape[1]
@@ -218,7 +236,9 @@ def _candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tuple
     vals, idx, short = _top_k_top_p(logits, params, ks, width)
     if short:  # nucleus wider than the candidates: redo those rows over the whole vocabulary
         rows = _index(short, logits.device)
-        full_vals, full_idx, _ = _top_k_top_p(logits[rows], [params[i] for i in short], [ks[i] for i in short], vocab)
+        full_vals, full_idx, _ = _top_k_top_p(
+            logits[rows], [params[i] for i in short], [ks[i] for i in short], vocab
+        )
         pad = vocab - width
         vals = torch.nn.functional.pad(vals, (0, pad), value=-math.inf)
         idx = torch.nn.functional.pad(idx, (0, pad), value=0)
@@ -239,7 +259,9 @@ def _top_k_top_p(
     vals = vals.masked_fill(pos >= k_eff.unsqueeze(1), -math.inf)
     min_p = [p.min_p for p in params]
     if any(min_p):
-        log_min_p = torch.tensor([math.log(m) if m > 0 else -math.inf for m in min_p], device=device)
+        log_min_p = torch.tensor(
+            [math.log(m) if m > 0 else -math.inf for m in min_p], device=device
+        )
         vals = vals.masked_fill(vals < (vals[:, :1] + log_min_p.unsqueeze(1)), -math.inf)
 
     short: list[int] = []
@@ -263,7 +285,10 @@ def _top_k_top_p(
 
 
 def _fill_logprobs(
-    out: list[TokenLogprobs | None], logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
+    out: list[TokenLogprobs | None],
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    params: Sequence[SamplingParams],
 ) -> None:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     index = _index(rows, logits.device)
@@ -277,6 +302,8 @@ def _fill_logprobs(
         top_v, top_i = top.values.tolist(), top.indices.tolist()
     else:
         top_v = top_i = [[] for _ in rows]
-    for j, (i, tok, c, r) in enumerate(zip(rows, chosen_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist())):
+    for j, (i, tok, c, r) in enumerate(
+        zip(rows, chosen_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist())
+    ):
         kk = params[i].logprobs
         out[i] = TokenLogprobs(tok, c, r, list(zip(top_i[j][:kk], top_v[j][:kk])))

@@ -46,7 +46,9 @@ class SamplingParams:
             raise EngineError(f"must be in (0, 1], got {self.top_p}", "top_p")
         _integer("top_k", self.top_k)
         if self.top_k < -1:
-            raise EngineError(f"must be -1 or 0 (off) or a positive count, got {self.top_k}", "top_k")
+            raise EngineError(
+                f"must be -1 or 0 (off) or a positive count, got {self.top_k}", "top_k"
+            )
         _number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise EngineError(f"must be in [0, 1], got {self.min_p}", "min_p")
@@ -61,7 +63,9 @@ class SamplingParams:
         _integer("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise EngineError(f"must be >= 1, got {self.max_tokens}", "max_tokens")
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(
+            isinstance(s, str) for s in self.stop
+        ):
             raise EngineError("must be a list of strings", "stop")
         if any(not s for s in self.stop):
             raise EngineError("stop strings must be non-empty", "stop")
@@ -81,7 +85,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise EngineError(f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+                raise EngineError(
+                    f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
+                )
         if self.seed is not None:
             _integer("seed", self.seed)
             if not 0 <= self.seed < 2**64:

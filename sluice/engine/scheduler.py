@@ -50,7 +50,9 @@ class ScheduledBatch:
     # Per seq: True when this step reaches the seq's last token, so its last logits are sampled.
     sample: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # blocks freed; they recompute later
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    block_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst) before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +77,9 @@ class BatchScheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.waiting: list[Sequence] = []  # sorted by _key; hold no blocks
         self.running: list[Sequence] = []  # sorted by _key; hold blocks
         self._pending_copies: list[tuple[int, int]] = []  # from fork, emitted with the next batch
@@ -95,11 +99,16 @@ class BatchScheduler:
         bm = self.block_manager
         need = bm.blocks_for(self.max_kv_tokens(seq))
         if need > bm.num_usable_blocks:
-            culprit = "prompt" if bm.blocks_for(seq.num_prompt_tokens) > bm.num_usable_blocks else "max_tokens"
+            culprit = (
+                "prompt"
+                if bm.blocks_for(seq.num_prompt_tokens) > bm.num_usable_blocks
+                else "max_tokens"
+            )
             raise EngineError(
                 f"the request may need {self.max_kv_tokens(seq)} tokens of KV cache ({need} blocks of "
                 f"{bm.block_size}) but the cache holds only {bm.num_usable_blocks} blocks",
-                field=culprit, code=ErrorCode.EXCEEDS_KV_CACHE,
+                field=culprit,
+                code=ErrorCode.EXCEEDS_KV_CACHE,
             )
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_key)
@@ -207,7 +216,9 @@ class BatchScheduler:
         def freeable_for(seq: Sequence) -> int:
             """Free blocks plus those that preempting every lower-priority running seq releases."""
             lower = (v for v in self.running if _key(v) > _key(seq))
-            return bm.num_free_blocks + sum(1 for v in lower for b in v.block_table if bm.ref_counts[b] == 1)
+            return bm.num_free_blocks + sum(
+                1 for v in lower for b in v.block_table if bm.ref_counts[b] == 1
+            )
 
         def make_room(seq: Sequence, n: int) -> bool:
             """Preempt running seqs of lower priority than `seq` until n new tokens fit."""
@@ -229,7 +240,9 @@ class BatchScheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq, n):
                 # A shorter prefill chunk that fits the free blocks beats preempting anyone.
-                room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+                room = (
+                    len(seq.block_table) + bm.num_free_blocks
+                ) * bm.block_size - seq.num_computed_tokens
                 n = max(1, min(n, room))
             if make_room(seq, n):
                 bm.allocate(seq, n)

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"    # in the scheduler's waiting queue, holds no blocks
-    RUNNING = "running"    # holds blocks; scheduled every step it fits in the budget
+    WAITING = "waiting"  # in the scheduler's waiting queue, holds no blocks
+    RUNNING = "running"  # holds blocks; scheduled every step it fits in the budget
     FINISHED = "finished"  # blocks freed (they stay in the prefix cache); never scheduled again
 
 
@@ -130,8 +130,13 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))
 
-    def fork(self, request_id: str, num_tokens: int | None = None, seq_id: int | None = None,
-             index: int = 0) -> Sequence:
+    def fork(
+        self,
+        request_id: str,
+        num_tokens: int | None = None,
+        seq_id: int | None = None,
+        index: int = 0,
+    ) -> Sequence:
         """A new sequence with this one's first `num_tokens` tokens (default: all) and settings,
         as sample `index` of the request (its record of the completion starts empty).
 
@@ -140,7 +145,9 @@ class Sequence:
         """
         n = len(self.token_ids) if num_tokens is None else num_tokens
         if not self.num_prompt_tokens <= n <= len(self.token_ids):
-            raise ValueError(f"fork at {n} tokens: must keep the prompt and not exceed {len(self.token_ids)}")
+            raise ValueError(
+                f"fork at {n} tokens: must keep the prompt and not exceed {len(self.token_ids)}"
+            )
         child = Sequence(
             request_id,
             self.token_ids[:n],

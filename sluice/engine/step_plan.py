@@ -13,6 +13,7 @@ Building it takes two moves:
 `AttentionSpec` holds what decides which kernels serve a model's attention; it is fixed for an
 engine, so the family decides once what to precompute.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -44,9 +45,15 @@ class AttentionSpec:
     @classmethod
     def of(cls, config: ModelConfig, dtype: torch.dtype, cache: LayerKVCache) -> AttentionSpec:
         """The spec of a model of `config` in `dtype` over one layer's `cache`."""
-        return cls(dtype=dtype, cache_dtype=cache.k.dtype, num_heads=config.num_attention_heads,
-                   num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                   block_size=cache.k.shape[2], device_type=cache.k.device.type)
+        return cls(
+            dtype=dtype,
+            cache_dtype=cache.k.dtype,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=cache.k.shape[2],
+            device_type=cache.k.device.type,
+        )
 
     @property
     def quantized_cache(self) -> bool:
@@ -173,8 +180,12 @@ def decode_rows(plan: StepPlan) -> DecodeRows | None:
     def dev(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
 
-    return DecodeRows(dev(qsl[dec], torch.long), dev(tables[dec], torch.int32),
-                      dev(lens[dec], torch.int32), int(lens[dec].max()))
+    return DecodeRows(
+        dev(qsl[dec], torch.long),
+        dev(tables[dec], torch.int32),
+        dev(lens[dec], torch.int32),
+        int(lens[dec].max()),
+    )
 
 
 def prefill_rows(plan: StepPlan) -> PrefillRows | None:
@@ -189,8 +200,12 @@ def prefill_rows(plan: StepPlan) -> PrefillRows | None:
     def host(a, dtype):
         return torch.from_numpy(np.ascontiguousarray(a)).to(dtype=dtype)
 
-    return PrefillRows(host(qsl[chunks], torch.long), host(qlens[chunks], torch.int32),
-                       host(lens[chunks], torch.int32), host(tables[chunks], torch.int32))
+    return PrefillRows(
+        host(qsl[chunks], torch.long),
+        host(qlens[chunks], torch.int32),
+        host(lens[chunks], torch.int32),
+        host(tables[chunks], torch.int32),
+    )
 
 
 def compact_cache(plan: StepPlan, seqs: np.ndarray | None) -> CompactCache:
@@ -206,7 +221,14 @@ def compact_cache(plan: StepPlan, seqs: np.ndarray | None) -> CompactCache:
     ids = np.unique(tables[used])
     renumbered = np.where(used, np.searchsorted(ids, tables), 0)
     device = plan.block_tables.device
-    compact = replace(plan, block_tables=torch.from_numpy(renumbered).to(device),
-                      block_tables_host=renumbered, attention=None, decodes=None, prefills=None,
-                      torch_attention=None, compact=None)
+    compact = replace(
+        plan,
+        block_tables=torch.from_numpy(renumbered).to(device),
+        block_tables_host=renumbered,
+        attention=None,
+        decodes=None,
+        prefills=None,
+        torch_attention=None,
+        compact=None,
+    )
     return CompactCache(ids=torch.from_numpy(ids).to(device), plan=compact)

@@ -70,10 +70,12 @@ _QWEN2_SPLIT = (
 _GGUF_PRE_TOKENIZERS: dict[str, str] = {
     **dict.fromkeys(["default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"], "gpt2"),
     **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"], "digits+gpt2"
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"],
+        "digits+gpt2",
     ),
     **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"], _LLAMA3_SPLIT
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"],
+        _LLAMA3_SPLIT,
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], _QWEN2_SPLIT),
 }
@@ -83,7 +85,11 @@ _IGNORE_MERGES = {_LLAMA3_SPLIT}  # llama3-style vocabularies look a whole word 
 @functools.cache
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     shifted = 0
     for b in range(256):
@@ -131,7 +137,10 @@ class Tokenizer:
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise ModelError("no tokenizer.json in the model directory (only fast tokenizers are supported)", tok_file)
+            raise ModelError(
+                "no tokenizer.json in the model directory (only fast tokenizers are supported)",
+                tok_file,
+            )
         try:
             backend = tokenizers.Tokenizer.from_file(tok_file)
         except Exception as e:  # the tokenizers library raises plain Exception subclasses
@@ -145,9 +154,14 @@ class Tokenizer:
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
         elif template is None:
-            template = _pick_template(_read_json(os.path.join(path, "chat_template.json")).get("chat_template"))
+            template = _pick_template(
+                _read_json(os.path.join(path, "chat_template.json")).get("chat_template")
+            )
 
-        names = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        names = {
+            k: _token_content(config.get(k))
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
         bos_id = backend.token_to_id(names["bos_token"]) if names["bos_token"] else None
         eos = [backend.token_to_id(names["eos_token"])] if names["eos_token"] else []
         gen_eos = gen_config.get("eos_token_id")
@@ -221,7 +235,11 @@ class Tokenizer:
             bos_id if meta.get("tokenizer.ggml.add_bos_token") else None,
             eos_id if meta.get("tokenizer.ggml.add_eos_token") else None,
         )
-        eos_ids = [eos_id, meta.get("tokenizer.ggml.eot_token_id"), meta.get("tokenizer.ggml.eom_token_id")]
+        eos_ids = [
+            eos_id,
+            meta.get("tokenizer.ggml.eot_token_id"),
+            meta.get("tokenizer.ggml.eom_token_id"),
+        ]
         eos_ids = [i for i in eos_ids if i is not None and 0 <= i < len(tokens)]
 
         def name(key: str) -> str | None:
@@ -278,7 +296,9 @@ class Tokenizer:
     ) -> str:
         """Render the conversation with the model's jinja chat template (sandboxed, as transformers does)."""
         if not self.chat_template:
-            raise EngineError("the model has no chat template; send a plain prompt instead", "chat_template")
+            raise EngineError(
+                "the model has no chat template; send a plain prompt instead", "chat_template"
+            )
         chat = _normalize_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
@@ -290,9 +310,13 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # includes raise_exception() from the template
             raise EngineError(f"chat template rejected the conversation: {e}", "messages") from e
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered conversation. The template writes its own BOS, so none is added."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
@@ -319,7 +343,9 @@ def _byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _set_post_processor(backend: tokenizers.Tokenizer, tokens: list[str], bos: int | None, eos: int | None) -> None:
+def _set_post_processor(
+    backend: tokenizers.Tokenizer, tokens: list[str], bos: int | None, eos: int | None
+) -> None:
     """Add BOS/EOS around encoded text when the file asks for it (tokenizer.ggml.add_{bos,eos}_token)."""
     if bos is None and eos is None:
         return
@@ -393,7 +419,9 @@ def _decoder_strips_leading_space(decoder: Mapping | None) -> bool:
     if decoder.get("type") == "Strip":
         return decoder.get("content") == " " and decoder.get("start", 0) >= 1
     if decoder.get("type") == "Metaspace":
-        scheme = decoder.get("prepend_scheme", "always" if decoder.get("add_prefix_space", True) else "never")
+        scheme = decoder.get(
+            "prepend_scheme", "always" if decoder.get("add_prefix_space", True) else "never"
+        )
         return scheme != "never"
     return False
 
@@ -437,7 +465,11 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                if not (
+                    isinstance(part, Mapping)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     raise EngineError("only text parts are supported", f"messages[{i}].content")
                 texts.append(part["text"])
             m["content"] = "".join(texts)
@@ -455,9 +487,17 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys=False,
+) -> str:
     # jinja's own tojson escapes HTML characters; chat templates want plain JSON, as transformers gives.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:

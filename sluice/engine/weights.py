@@ -10,6 +10,7 @@ them, applied to a built model (`transform_weights`).
 Each form computes itself with plain torch (`layer(x)`); a kernel family may compute a form its
 own way instead (`KernelOps.linear`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -55,15 +56,17 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
         got = mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         want = F.linear(x, weight)
         tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
-        close = torch.allclose(got.float(), want.float(), rtol=tol,
-                               atol=tol * want.abs().max().item())
+        close = torch.allclose(
+            got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item()
+        )
         return packed if got.shape == want.shape and close else None
     except (RuntimeError, AttributeError, NotImplementedError):
         return None
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ W.T (+ bias) for a weight packed by `pack_linear_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -175,7 +178,9 @@ def pack_for_onednn(model: nn.Module) -> bool:
     if head is None or any(p is None for p in first):
         return False
     for n, layer in enumerate(model.layers):
-        packed = first if n == 0 else [PackedLinear.pack(getattr(layer, name)) for name in PROJECTIONS]
+        packed = (
+            first if n == 0 else [PackedLinear.pack(getattr(layer, name)) for name in PROJECTIONS]
+        )
         if any(p is None for p in packed):
             raise RuntimeError("oneDNN packed the first layer's weights but not a later one's")
         for name, p in zip(PROJECTIONS, packed):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import base64
 import math
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
 
@@ -234,7 +234,7 @@ class ErrorEvent(_Wire):
         return None if self.raw is None else base64.b64decode(self.raw)
 
 
-OutputEvent = Annotated[Union[TokenEvent, FinalEvent, ErrorEvent], Field(discriminator="type")]
+OutputEvent = Annotated[TokenEvent | FinalEvent | ErrorEvent, Field(discriminator="type")]
 """Any event on the tokens topic, told apart by ``type``."""
 
 EVENT_TYPES: tuple[str, ...] = ("token", "final", "error")

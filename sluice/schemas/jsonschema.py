@@ -29,8 +29,9 @@ def _stamp(schema: dict[str, Any], name: str) -> dict[str, Any]:
 def json_schemas() -> dict[str, dict[str, Any]]:
     """Name -> JSON Schema of the request (as accepted) and of each event (as sent)."""
     return {
-        "GenerateRequest": _stamp(GenerateRequest.model_json_schema(mode="validation"),
-                                  "GenerateRequest"),
+        "GenerateRequest": _stamp(
+            GenerateRequest.model_json_schema(mode="validation"), "GenerateRequest"
+        ),
         "TokenEvent": _stamp(TokenEvent.model_json_schema(mode="serialization"), "TokenEvent"),
         "FinalEvent": _stamp(FinalEvent.model_json_schema(mode="serialization"), "FinalEvent"),
         "ErrorEvent": _stamp(ErrorEvent.model_json_schema(mode="serialization"), "ErrorEvent"),

@@ -258,8 +258,10 @@ def decode_request(raw: bytes | bytearray | memoryview | str) -> GenerateRequest
             f"a request must be a JSON object, not {_json_kind(obj)}",
         )
     version = obj.get("schema_version", SCHEMA_VERSION)
-    if isinstance(version, int) and not isinstance(version, bool) and (
-        version not in SUPPORTED_VERSIONS
+    if (
+        isinstance(version, int)
+        and not isinstance(version, bool)
+        and (version not in SUPPORTED_VERSIONS)
     ):
         supported = ", ".join(map(str, sorted(SUPPORTED_VERSIONS)))
         raise _reject(

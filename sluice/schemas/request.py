@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -125,7 +125,7 @@ def _deadline(value: Any) -> Any:
             ) from None
     if isinstance(value, datetime):
         if value.tzinfo is None:  # a datetime without zone is read as UTC
-            value = value.replace(tzinfo=timezone.utc)
+            value = value.replace(tzinfo=UTC)
         return value.timestamp()
     return value
 

@@ -14,6 +14,7 @@ async def eventually(predicate, timeout: float = BOUND) -> None:
     async def poll():
         while not predicate():
             await asyncio.sleep(0.001)
+
     await asyncio.wait_for(poll(), timeout)
 
 

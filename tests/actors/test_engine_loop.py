@@ -25,19 +25,33 @@ def engine(tmp_path_factory) -> LLMEngine:
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=101,
-                         max_position_embeddings=64)
+    cfg = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=64,
+    )
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return LLMEngine(config=EngineConfig(kv_cache_bytes=4 << 20, block_size=4),
-                     loaded=load_model(path, load_tokenizer=False))
+    return LLMEngine(
+        config=EngineConfig(kv_cache_bytes=4 << 20, block_size=4),
+        loaded=load_model(path, load_tokenizer=False),
+    )
 
 
 def work(request_id: str, prompt_len: int = 5, **fields) -> TokenizedRequest:
-    request = GenerateRequest(request_id=request_id, prompt="unused: the ids below are the prompt",
-                              temperature=0, ignore_eos=True, **fields)
-    return TokenizedRequest(request=request, prompt_token_ids=list(range(3, 3 + prompt_len)),
-                            received_at=time.time())
+    request = GenerateRequest(
+        request_id=request_id,
+        prompt="unused: the ids below are the prompt",
+        temperature=0,
+        ignore_eos=True,
+        **fields,
+    )
+    return TokenizedRequest(
+        request=request, prompt_token_ids=list(range(3, 3 + prompt_len)), received_at=time.time()
+    )
 
 
 def run(loop: EngineLoop, steps: int = 100):
@@ -85,13 +99,23 @@ def test_a_request_past_its_deadline_is_aborted_in_the_step_that_reports_it(engi
 
 
 def test_a_session_turn_remembers_prompt_and_reply_ids():
-    chat = GenerateRequest(request_id="c", session_id="s", messages=[{"role": "user", "content": "hi"}])
-    turn = TokenizedRequest(request=chat, prompt_token_ids=[1, 2, 3], received_at=0.0,
-                            conversation=[{"role": "user", "content": "hi"}])
+    chat = GenerateRequest(
+        request_id="c", session_id="s", messages=[{"role": "user", "content": "hi"}]
+    )
+    turn = TokenizedRequest(
+        request=chat,
+        prompt_token_ids=[1, 2, 3],
+        received_at=0.0,
+        conversation=[{"role": "user", "content": "hi"}],
+    )
     messages, ids = remembered_turn(turn, "hello", [7, 8])
-    assert messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
     assert ids == [1, 2, 3, 7, 8]
     text = GenerateRequest(request_id="t", session_id="s", prompt="Once")
-    messages, ids = remembered_turn(TokenizedRequest(request=text, prompt_token_ids=[4], received_at=0.0),
-                                    " upon", [9])
+    messages, ids = remembered_turn(
+        TokenizedRequest(request=text, prompt_token_ids=[4], received_at=0.0), " upon", [9]
+    )
     assert messages == [] and ids == [4, 9]

@@ -77,7 +77,7 @@ async def test_cancelled_sender_does_not_swallow_a_free_slot():
     second = asyncio.create_task(box.put(2))
     await settle()
     assert await box.get() == 0  # wakes `first` ...
-    first.cancel()               # ... which is cancelled before it runs: `second` must get the slot
+    first.cancel()  # ... which is cancelled before it runs: `second` must get the slot
     await asyncio.wait_for(second, 5)
     assert box.depth == 1 and await box.get() == 2
 
@@ -92,10 +92,15 @@ async def test_control_messages_jump_the_queue_and_do_not_count():
 
 
 @settings(max_examples=50, deadline=None)
-@given(capacity=st.integers(1, 5), n_senders=st.integers(1, 4), per_sender=st.integers(0, 15),
-       consumer_pauses=st.lists(st.integers(0, 3), min_size=1, max_size=8))
-def test_many_senders_fifo_per_sender_bounded_and_nothing_lost(capacity, n_senders, per_sender,
-                                                               consumer_pauses):
+@given(
+    capacity=st.integers(1, 5),
+    n_senders=st.integers(1, 4),
+    per_sender=st.integers(0, 15),
+    consumer_pauses=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+)
+def test_many_senders_fifo_per_sender_bounded_and_nothing_lost(
+    capacity, n_senders, per_sender, consumer_pauses
+):
     async def scenario():
         box = Mailbox(capacity)
         max_depth = 0

@@ -31,12 +31,26 @@ async def test_streamer_publishes_acks_and_drains_cleanly():
     streamer = StreamerActor(producer, "out", None)
     acks = []
     await streamer.start()
-    await streamer.tell(Envelope(StepMessage(request_id="r", seq=0, token_ids=[5], text="Hi"),
-                                 lambda: acks.append("token")))
-    await streamer.tell(Envelope(StepMessage(request_id="r", seq=1, finished=True, finish_reason="stop",
-                                             usage=Usage(prompt_tokens=3, completion_tokens=1),
-                                             timings=Timings(queue_s=0.0, total_s=0.1), full_text="Hi"),
-                                 lambda: acks.append("final")))
+    await streamer.tell(
+        Envelope(
+            StepMessage(request_id="r", seq=0, token_ids=[5], text="Hi"),
+            lambda: acks.append("token"),
+        )
+    )
+    await streamer.tell(
+        Envelope(
+            StepMessage(
+                request_id="r",
+                seq=1,
+                finished=True,
+                finish_reason="stop",
+                usage=Usage(prompt_tokens=3, completion_tokens=1),
+                timings=Timings(queue_s=0.0, total_s=0.1),
+                full_text="Hi",
+            ),
+            lambda: acks.append("final"),
+        )
+    )
     await eventually(lambda: len(acks) == 2)
     # A regression: the streamer's own helper once shadowed the runtime's Actor._finish, so every
     # drain ended in a TypeError, on_stop never ran and the process exited as failed.

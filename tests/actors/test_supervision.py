@@ -41,8 +41,10 @@ async def test_too_many_restarts_escalate_and_end_system_run(caplog):
     assert broken.crashes == 4 and broken.restarts == 3 and len(broken.failures) == 4
     assert broken.state == ActorState.FAILED and sink.state == ActorState.STOPPED
     assert broken.unprocessed == 6  # not silently dropped: counted and reported
-    assert any(r.getMessage().startswith("actor broken failed:") and "shutting down" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        r.getMessage().startswith("actor broken failed:") and "shutting down" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 async def test_escalate_policy_ends_the_system_at_the_first_crash():

@@ -13,8 +13,12 @@ class Clock:
 
 def test_backoff_grows_and_too_many_crashes_in_the_window_escalate():
     clock = Clock()
-    sup = Supervisor(RestartPolicy.restart(max_restarts=3, window=10, backoff=0.1,
-                                           backoff_factor=2, max_backoff=0.3), clock)
+    sup = Supervisor(
+        RestartPolicy.restart(
+            max_restarts=3, window=10, backoff=0.1, backoff_factor=2, max_backoff=0.3
+        ),
+        clock,
+    )
     delays = []
     for _ in range(3):
         decision = sup.on_crash()

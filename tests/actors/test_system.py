@@ -38,8 +38,14 @@ async def test_starts_downstream_first_and_drains_upstream_first_losing_nothing(
         await source.tell(i)
     system.request_shutdown()
     await asyncio.wait_for(running, BOUND)
-    assert trace == ["start sink", "start middle", "start source",
-                     "stop source", "stop middle", "stop sink"]
+    assert trace == [
+        "start sink",
+        "start middle",
+        "start source",
+        "stop source",
+        "stop middle",
+        "stop sink",
+    ]
     assert sink.handled == list(range(100))
     assert system.unprocessed == {"source": 0, "middle": 0, "sink": 0}
     assert all(a.state == ActorState.STOPPED for a in system.actors)

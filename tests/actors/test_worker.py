@@ -4,7 +4,13 @@ import time
 
 import pytest
 
-from sluice.actors.runtime import Actor, ThreadedWorker, WorkerFailed, WorkerStopped, in_passing_thread
+from sluice.actors.runtime import (
+    Actor,
+    ThreadedWorker,
+    WorkerFailed,
+    WorkerStopped,
+    in_passing_thread,
+)
 
 from .helpers import BOUND, eventually
 
@@ -125,8 +131,9 @@ async def test_a_runner_shaped_actor_drains_its_worker():
 
         async def on_start(self):
             self.engine = Engine(step_seconds=0.001)
-            self.worker = ThreadedWorker(self.engine.step, accept=self.engine.add,
-                                         has_work=self.engine.has_work)
+            self.worker = ThreadedWorker(
+                self.engine.step, accept=self.engine.add, has_work=self.engine.has_work
+            )
             self.worker.start()
             self.pumping = self.spawn(self.pump())
 
@@ -136,7 +143,9 @@ async def test_a_runner_shaped_actor_drains_its_worker():
 
         async def on_stop(self):
             await self.worker.stop(drain=True, timeout=BOUND)
-            await self.pumping  # the pump ends after the last result (spawned tasks are cancelled next)
+            await (
+                self.pumping
+            )  # the pump ends after the last result (spawned tasks are cancelled next)
 
         async def handle(self, request):
             self.worker.submit(request)

@@ -18,7 +18,7 @@ from aiokafka import TopicPartition
 
 from sluice.cli.client import EventStream, Grouped, Prefixed
 from sluice.cli.produce import requests_from_args
-from sluice.schemas import FinalEvent, TokenEvent, Timings, Usage, encode
+from sluice.schemas import FinalEvent, Timings, TokenEvent, Usage, encode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from pipeline_harness import PipelineProcess, new_prefix, publish  # noqa: E402
@@ -27,17 +27,30 @@ integration = pytest.mark.integration
 GREEDY = ["--temperature", "0"]
 
 
-def sluice(*args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sluice", *args], input=input, capture_output=True, text=True,
-                          timeout=timeout)
+def sluice(
+    *args: str, input: str | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def pipeline(endpoints, tmp_path_factory):
     """One `sluice run` (with sessions) for the whole module, on topics and a group of its own."""
     prefix = new_prefix()
-    process = PipelineProcess(endpoints.bootstrap_servers, endpoints.redis_url, prefix,
-                              tmp_path_factory.mktemp("pipeline"), "--group", prefix)
+    process = PipelineProcess(
+        endpoints.bootstrap_servers,
+        endpoints.redis_url,
+        prefix,
+        tmp_path_factory.mktemp("pipeline"),
+        "--group",
+        prefix,
+    )
     try:
         process.wait_ready()
         yield SimpleNamespace(prefix=prefix, bootstrap=endpoints.bootstrap_servers, process=process)
@@ -67,8 +80,15 @@ def check_stream(events: list[dict], rid: str) -> dict:
 
 @integration
 def test_produce_prints_ids_and_tail_afterwards_reads_whole_streams_once(pipeline):
-    result = sluice("produce", *kafka_flags(pipeline), *GREEDY, "--max-tokens", "8",
-                    "The capital of France is", "One, two, three,")
+    result = sluice(
+        "produce",
+        *kafka_flags(pipeline),
+        *GREEDY,
+        "--max-tokens",
+        "8",
+        "The capital of France is",
+        "One, two, three,",
+    )
     assert result.returncode == 0, result.stderr
     ids = result.stdout.split()
     assert len(ids) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids), result.stdout
@@ -88,18 +108,33 @@ def test_produce_prints_ids_and_tail_afterwards_reads_whole_streams_once(pipelin
     lines = text.stdout.splitlines()
     assert [line for line in lines if line.startswith("--- ")] == [f"--- {i}" for i in ids]
     summaries = [line for line in lines if line.startswith("[") and "TTFT" in line]
-    assert len(summaries) == 2 and all("prompt" in s and "cached" in s and "TPOT" in s for s in summaries)
+    assert len(summaries) == 2 and all(
+        "prompt" in s and "cached" in s and "TPOT" in s for s in summaries
+    )
     assert text.stdout.count(final["text"]) == 1
 
 
 @integration
 def test_produce_follow_streams_the_text_then_a_summary(pipeline):
-    result = sluice("produce", *kafka_flags(pipeline), *GREEDY, "--max-tokens", "6", "--request-id", f"f-{pipeline.prefix}", "--follow",
-                    "--timeout", "150", "Once upon a time")
+    result = sluice(
+        "produce",
+        *kafka_flags(pipeline),
+        *GREEDY,
+        "--max-tokens",
+        "6",
+        "--request-id",
+        f"f-{pipeline.prefix}",
+        "--follow",
+        "--timeout",
+        "150",
+        "Once upon a time",
+    )
     assert result.returncode == 0, result.stderr
     first, *rest = result.stdout.splitlines()
     assert first == f"f-{pipeline.prefix}"
-    assert re.match(r"\[(stop|length): \d+ tokens; prompt \d+ \(\d+ cached\); TTFT \d+ ms", rest[-1]), rest
+    assert re.match(
+        r"\[(stop|length): \d+ tokens; prompt \d+ \(\d+ cached\); TTFT \d+ ms", rest[-1]
+    ), rest
     assert "".join(rest[:-1]).strip()  # the text came first
 
 
@@ -107,37 +142,72 @@ def test_produce_follow_streams_the_text_then_a_summary(pipeline):
 def test_file_with_bad_lines_reports_them_by_line_and_field_and_sends_the_rest(pipeline, tmp_path):
     rid = f"file-{pipeline.prefix}"
     path = tmp_path / "requests.jsonl"
-    path.write_text("\n".join([
-        json.dumps({"request_id": f"{rid}-1", "prompt": "Hello,"}),
-        json.dumps({"request_id": f"{rid}-bad", "prompt": "x", "max_tokens": 0}),
-        "",
-        json.dumps({"request_id": f"{rid}-typo", "prompt": "x", "max_token": 3}),
-        json.dumps({"request_id": f"{rid}-2", "messages": [{"role": "user", "content": "Hi"}]}),
-    ]) + "\n")
-    result = sluice("produce", *kafka_flags(pipeline), *GREEDY, "--max-tokens", "5", "--file", str(path),
-                    "--json", "--follow", "--timeout", "150")
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"request_id": f"{rid}-1", "prompt": "Hello,"}),
+                json.dumps({"request_id": f"{rid}-bad", "prompt": "x", "max_tokens": 0}),
+                "",
+                json.dumps({"request_id": f"{rid}-typo", "prompt": "x", "max_token": 3}),
+                json.dumps(
+                    {"request_id": f"{rid}-2", "messages": [{"role": "user", "content": "Hi"}]}
+                ),
+            ]
+        )
+        + "\n"
+    )
+    result = sluice(
+        "produce",
+        *kafka_flags(pipeline),
+        *GREEDY,
+        "--max-tokens",
+        "5",
+        "--file",
+        str(path),
+        "--json",
+        "--follow",
+        "--timeout",
+        "150",
+    )
     assert result.returncode == 1, result.stderr  # some lines were not sent
     assert f"{path} line 2: max_tokens: must be >= 1 (got 0)" in result.stderr
-    assert f"{path} line 4: max_token: unknown field" in result.stderr and "'max_tokens'" in result.stderr
+    assert (
+        f"{path} line 4: max_token: unknown field" in result.stderr
+        and "'max_tokens'" in result.stderr
+    )
     records = json_lines(result.stdout)
     sent = [r for r in records if "type" not in r]
     assert [r["request_id"] for r in sent] == [f"{rid}-1", f"{rid}-2"]
     assert all(r["topic"] == f"{pipeline.prefix}.requests" and r["offset"] >= 0 for r in sent)
     events = [r for r in records if "type" in r]
     for name in (f"{rid}-1", f"{rid}-2"):
-        assert check_stream(events, name)["usage"]["completion_tokens"] <= 5  # the flag's default applied
+        assert (
+            check_stream(events, name)["usage"]["completion_tokens"] <= 5
+        )  # the flag's default applied
     assert not [e for e in events if "bad" in e["request_id"] or "typo" in e["request_id"]]
 
 
 @integration
 def test_chat_two_turns_over_kafka_second_reuses_the_cache(pipeline):
     session = f"chat-{pipeline.prefix}"
-    result = sluice("chat", *kafka_flags(pipeline), "--session", session, "--tenant", "acme", *GREEDY,
-                    "--max-tokens", "16", input="Name three rivers.\nWhich is longest?\n")
+    result = sluice(
+        "chat",
+        *kafka_flags(pipeline),
+        "--session",
+        session,
+        "--tenant",
+        "acme",
+        *GREEDY,
+        "--max-tokens",
+        "16",
+        input="Name three rivers.\nWhich is longest?\n",
+    )
     assert result.returncode == 0, result.stderr
     assert session in result.stderr
-    stats = [re.search(r"\[cached (\d+) of (\d+) prompt tokens; (\d+) tokens", line)
-             for line in result.stdout.splitlines()]
+    stats = [
+        re.search(r"\[cached (\d+) of (\d+) prompt tokens; (\d+) tokens", line)
+        for line in result.stdout.splitlines()
+    ]
     stats = [tuple(map(int, m.groups())) for m in stats if m]
     assert len(stats) == 2, result.stdout
     (_, prompt1, completion1), (cached2, prompt2, _) = stats
@@ -153,9 +223,15 @@ def token(rid: str, seq: int, text: str) -> TokenEvent:
 
 
 def final(rid: str, seq: int, text: str) -> FinalEvent:
-    return FinalEvent(request_id=rid, seq=seq, finish_reason="stop", text=text, model="m",
-                      usage=Usage(prompt_tokens=5, cached_tokens=3, completion_tokens=seq),
-                      timings=Timings(queue_s=0, ttft_s=0.05, tpot_s=0.01, total_s=0.1))
+    return FinalEvent(
+        request_id=rid,
+        seq=seq,
+        finish_reason="stop",
+        text=text,
+        model="m",
+        usage=Usage(prompt_tokens=5, cached_tokens=3, completion_tokens=seq),
+        timings=Timings(queue_s=0, ttft_s=0.05, tpot_s=0.01, total_s=0.1),
+    )
 
 
 class FakeConsumer:
@@ -166,14 +242,21 @@ class FakeConsumer:
         if not self.batches:
             return {}
         tp = TopicPartition("p.tokens", 0)
-        return {tp: [SimpleNamespace(key=e.request_id.encode(), value=encode(e)) for e in self.batches.pop(0)]}
+        return {
+            tp: [
+                SimpleNamespace(key=e.request_id.encode(), value=encode(e))
+                for e in self.batches.pop(0)
+            ]
+        }
 
 
 async def test_stream_drops_duplicates_and_requests_not_asked_for():
     stream = EventStream("unused:9092", ["p.tokens"], ["a"])
     await stream.consumer.stop()  # never started; the fake below stands in for it
     events = [token("a", 0, "x"), token("b", 0, "y"), token("a", 1, "z")]
-    stream.consumer = FakeConsumer([events, [token("a", 0, "x"), token("a", 1, "z"), final("a", 2, "xz")]])
+    stream.consumer = FakeConsumer(
+        [events, [token("a", 0, "x"), token("a", 1, "z"), final("a", 2, "xz")]]
+    )
     got = await stream.poll() + await stream.poll()
     assert [(r.event.request_id, r.event.seq) for r in got] == [("a", 0), ("a", 1), ("a", 2)]
     assert got[-1].terminal
@@ -186,19 +269,34 @@ def received(event):
 def test_grouped_shows_requests_in_order_buffering_later_ones():
     out = io.StringIO()
     render = Grouped(["a", "b"], {"a": "first"}, out=out)
-    for event in [token("b", 0, "B1"), token("a", 0, "A1"), final("b", 1, "B1"), token("a", 1, " A2"),
-                  final("a", 2, "A1 A2")]:
+    for event in [
+        token("b", 0, "B1"),
+        token("a", 0, "A1"),
+        final("b", 1, "B1"),
+        token("a", 1, " A2"),
+        final("a", 2, "A1 A2"),
+    ]:
         render(received(event))
     lines = out.getvalue().splitlines()
-    assert lines[0] == "--- a: first" and lines[1] == "A1 A2" and lines[3] == "--- b" and lines[4] == "B1"
+    assert (
+        lines[0] == "--- a: first"
+        and lines[1] == "A1 A2"
+        and lines[3] == "--- b"
+        and lines[4] == "B1"
+    )
     assert lines[2].startswith("[stop: 2 tokens; prompt 5 (3 cached); TTFT 50 ms, TPOT 10 ms")
 
 
 def test_prefixed_prints_whole_lines_per_request():
     out = io.StringIO()
     render = Prefixed(out=out)
-    for event in [token("a", 0, "one\ntw"), token("b", 0, "x"), token("a", 1, "o"), final("a", 2, ""),
-                  final("b", 1, "")]:
+    for event in [
+        token("a", 0, "one\ntw"),
+        token("b", 0, "x"),
+        token("a", 1, "o"),
+        final("a", 2, ""),
+        final("b", 1, ""),
+    ]:
         render(received(event))
     lines = out.getvalue().splitlines()
     assert lines[:2] == ["[a] one", "[a] two"] and lines[2].startswith("[a] [stop: 2 tokens")
@@ -207,11 +305,29 @@ def test_prefixed_prints_whole_lines_per_request():
 
 def test_file_lines_are_validated_with_flags_as_defaults(tmp_path):
     path = tmp_path / "r.jsonl"
-    path.write_text('{"prompt": "a"}\n{"prompt": "b", "max_tokens": 2}\n[1]\n{"prompt": "c", "n": 99}\n')
-    args = argparse.Namespace(file=path, prompts=[], request_id=None, session_id="s", tenant=None,
-                              max_tokens=7, temperature=None, top_p=None, seed=None, stop=None, priority=None,
-                              reply_topic=None, chat=False, system=None)
+    path.write_text(
+        '{"prompt": "a"}\n{"prompt": "b", "max_tokens": 2}\n[1]\n{"prompt": "c", "n": 99}\n'
+    )
+    args = argparse.Namespace(
+        file=path,
+        prompts=[],
+        request_id=None,
+        session_id="s",
+        tenant=None,
+        max_tokens=7,
+        temperature=None,
+        top_p=None,
+        seed=None,
+        stop=None,
+        priority=None,
+        reply_topic=None,
+        chat=False,
+        system=None,
+    )
     requests, problems = requests_from_args(args)
-    assert [(r.prompt, r.max_tokens, r.session_id) for r in requests] == [("a", 7, "s"), ("b", 2, "s")]
+    assert [(r.prompt, r.max_tokens, r.session_id) for r in requests] == [
+        ("a", 7, "s"),
+        ("b", 2, "s"),
+    ]
     assert problems[0].startswith(f"{path} line 3: ") and "JSON object" in problems[0]
     assert problems[1] == f"{path} line 4: n: must be <= 16 (got 99)"

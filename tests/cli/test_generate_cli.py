@@ -8,12 +8,16 @@ import sys
 
 
 def sluice(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_json_lines_one_per_prompt_in_order():
     prompts = ["The capital of France is", "Count: one, two,"]
-    result = sluice("generate", "--json", "--max-tokens", "6", "--ignore-eos", "--kv-cache-mb", "64", *prompts)
+    result = sluice(
+        "generate", "--json", "--max-tokens", "6", "--ignore-eos", "--kv-cache-mb", "64", *prompts
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in records] == prompts

@@ -78,7 +78,9 @@ def test_to_commit_only_when_moved_past_the_last_commit():
 
 
 @given(
-    st.lists(st.integers(min_value=1, max_value=4), min_size=1, max_size=60),  # gaps between offsets
+    st.lists(
+        st.integers(min_value=1, max_value=4), min_size=1, max_size=60
+    ),  # gaps between offsets
     st.randoms(use_true_random=False),
     st.integers(min_value=0, max_value=1000),
 )

@@ -1,5 +1,6 @@
 """Shared helpers of the model tests: tiny random-weight HF models and a driver that runs prompts
 through our model in several flat batches over a paged cache."""
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,10 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5 * 1.5))
+                p.copy_(
+                    torch.randn(p.shape, generator=g)
+                    * (0.3 if p.dim() == 1 else p.shape[-1] ** -0.5 * 1.5)
+                )
 
 
 def build(kind: str, **overrides):
@@ -90,14 +94,23 @@ def shuffled_tables(lengths, num_blocks, seed=0):
 def garbage_caches(config, num_blocks, dtype=torch.float32):
     shape = kv_cache_shape(num_blocks, BLOCK, config.num_key_value_heads, config.head_dim)
     g = torch.Generator().manual_seed(1)
-    return [LayerKVCache(torch.randn(shape, generator=g).to(dtype) * 50, torch.randn(shape, generator=g).to(dtype) * 50)
-            for _ in range(config.num_hidden_layers)]
+    return [
+        LayerKVCache(
+            torch.randn(shape, generator=g).to(dtype) * 50,
+            torch.randn(shape, generator=g).to(dtype) * 50,
+        )
+        for _ in range(config.num_hidden_layers)
+    ]
 
 
-def plan_for(model: CausalLM, caches, query_lens, seq_lens, tables, sliding_window=None) -> StepPlan:
+def plan_for(
+    model: CausalLM, caches, query_lens, seq_lens, tables, sliding_window=None
+) -> StepPlan:
     """The step's plan on the model's kernels, as the model runner builds it."""
     cache = caches[0]
-    layout = build_step_plan(query_lens, seq_lens, tables, cache.k.shape[2], cache.k.device, sliding_window)
+    layout = build_step_plan(
+        query_lens, seq_lens, tables, cache.k.shape[2], cache.k.device, sliding_window
+    )
     return model.ops.plan(layout, AttentionSpec.of(model.config, model.dtype, cache))
 
 
@@ -124,8 +137,14 @@ def run_in_steps(model: CausalLM, prompts, tables, caches, sliding_window=None):
         for i in seqs:
             ids += prompts[i][done[i] : done[i] + step[i]]
             pos += range(done[i], done[i] + step[i])
-        plan = plan_for(model, caches, [step[i] for i in seqs], [done[i] + step[i] for i in seqs],
-                         [tables[i] for i in seqs], sliding_window)
+        plan = plan_for(
+            model,
+            caches,
+            [step[i] for i in seqs],
+            [done[i] + step[i] for i in seqs],
+            [tables[i] for i in seqs],
+            sliding_window,
+        )
         assert plan.positions.tolist() == pos
         device = caches[0].k.device
         logits = model.compute_logits(model(torch.tensor(ids, device=device), plan, caches))

@@ -4,10 +4,10 @@ sequences), prefill chunks with and without cached context, sliding window, bflo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-
-from dataclasses import replace
 
 from sluice.engine import attention
 from sluice.engine.attention import kv_cache_shape, paged_attention, plan_torch_attention, write_kv
@@ -34,7 +34,9 @@ def reference(q, k_cache, v_cache, query_lens, seq_lens, tables, scale, window=N
     for qlen, slen, table in zip(query_lens, seq_lens, tables):
         pos = torch.arange(slen)
         blocks = torch.tensor(table)[pos // BLOCK]
-        k = k_cache[blocks, :, pos % BLOCK].float().repeat_interleave(HQ // HKV, dim=1)  # [L, Hq, D]
+        k = (
+            k_cache[blocks, :, pos % BLOCK].float().repeat_interleave(HQ // HKV, dim=1)
+        )  # [L, Hq, D]
         v = v_cache[blocks, :, pos % BLOCK].float().repeat_interleave(HQ // HKV, dim=1)
         for i in range(qlen):
             qpos = slen - qlen + i
@@ -74,7 +76,9 @@ def make_case(dtype, seed=0, shared_prefix_blocks=0, spread=1):
 @pytest.mark.parametrize("spread", [1, 4])
 def test_matches_reference(monkeypatch, max_gap, window, shared, spread):
     monkeypatch.setattr(attention, "MAX_BLOCK_GAP", max_gap)
-    q, k_cache, v_cache, tables = make_case(torch.float32, shared_prefix_blocks=shared, spread=spread)
+    q, k_cache, v_cache, tables = make_case(
+        torch.float32, shared_prefix_blocks=shared, spread=spread
+    )
     step = build_plan(QUERY_LENS, SEQ_LENS, tables, sliding_window=window)
     out = paged_attention(q, k_cache, v_cache, step, scale=D**-0.5)
     expected = reference(q, k_cache, v_cache, QUERY_LENS, SEQ_LENS, tables, D**-0.5, window)
@@ -86,7 +90,9 @@ def test_matches_reference(monkeypatch, max_gap, window, shared, spread):
 
 
 def test_bfloat16_matches_reference():
-    q, k_cache, v_cache, tables = make_case(torch.bfloat16, seed=3, shared_prefix_blocks=2, spread=2)
+    q, k_cache, v_cache, tables = make_case(
+        torch.bfloat16, seed=3, shared_prefix_blocks=2, spread=2
+    )
     step = build_plan(QUERY_LENS, SEQ_LENS, tables)
     out = paged_attention(q, k_cache, v_cache, step, scale=D**-0.5)
     expected = reference(q, k_cache, v_cache, QUERY_LENS, SEQ_LENS, tables, D**-0.5)

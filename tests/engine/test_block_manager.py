@@ -66,7 +66,9 @@ class KVSim:
         """Check seq's context is intact, then write its next n tokens."""
         ids, c = self.ids(seq), seq.num_computed_tokens
         for p in range(c):
-            assert self.slots.get(self.slot(seq, p)) == ids[p], f"corrupt KV at position {p} of {seq!r}"
+            assert self.slots.get(self.slot(seq, p)) == ids[p], (
+                f"corrupt KV at position {p} of {seq!r}"
+            )
         for p in range(c, c + n):
             self.slots[self.slot(seq, p)] = ids[p]
 
@@ -92,7 +94,9 @@ def check_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
     free = set(plain) | set(cached)
     assert NULL_BLOCK not in free and bm.ref_counts[NULL_BLOCK] == 0
     for b in range(1, bm.num_blocks):
-        assert bm.ref_counts[b] == held[b], f"block {b}: refcount {bm.ref_counts[b]} != holders {held[b]}"
+        assert bm.ref_counts[b] == held[b], (
+            f"block {b}: refcount {bm.ref_counts[b]} != holders {held[b]}"
+        )
         assert (b in free) == (held[b] == 0), f"block {b} free={b in free} but held by {held[b]}"
     assert bm.num_free_blocks + len(held) == bm.num_usable_blocks
     for h, b in bm._hash_to_block.items():
@@ -127,8 +131,13 @@ def test_hash_is_deterministic_across_processes():
 
     code = "from sluice.engine.block_manager import prefix_block_hashes as p; print(p(list(range(8)), 4, 's')[1].hex())"
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": str(seed)}).stdout
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed)},
+        ).stdout
         for seed in (1, 2)
     }
     assert outs == {prefix_block_hashes(list(range(8)), 4, "s")[1].hex() + "\n"}
@@ -398,7 +407,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.kv = KVSim(self.BS)
         self.seqs: list[Sequence] = []
 
-    @initialize(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 3), min_size=1, max_size=8))
+    @initialize(
+        prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 3), min_size=1, max_size=8)
+    )
     def first_seq(self, prefix, extra):
         self.seqs.append(make_seq(prefix + extra))
 
@@ -417,7 +428,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.seqs))
         if seq.num_uncomputed_tokens == 0:
             seq.append_token(data.draw(st.integers(0, 3)))  # the sample of the last step
-        start = self.bm.num_cached_prefix_tokens(seq) if not seq.block_table else seq.num_computed_tokens
+        start = (
+            self.bm.num_cached_prefix_tokens(seq)
+            if not seq.block_table
+            else seq.num_computed_tokens
+        )
         n = data.draw(st.integers(1, seq.num_tokens - start))
         if not self.bm.can_allocate(seq, n):
             return
@@ -442,7 +457,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from([s for s in self.seqs if s.num_computed_tokens]))
         if not self.bm.can_fork(parent):
             return
-        child = parent.fork("c", num_tokens=max(parent.num_prompt_tokens, parent.num_computed_tokens))
+        child = parent.fork(
+            "c", num_tokens=max(parent.num_prompt_tokens, parent.num_computed_tokens)
+        )
         if child.num_tokens == parent.num_computed_tokens:
             child.append_token(tok)
         self.kv.copy(self.bm.fork(parent, child))

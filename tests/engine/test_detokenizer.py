@@ -16,7 +16,9 @@ from sluice.engine.tokenizer import Tokenizer
 
 GGUF_PATH = str(default_model_path())  # the default model: a requirement, installed by bootstrap
 
-_SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_SETTINGS = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,10 @@ def test_multibyte_characters_are_held_until_complete(tok, text):
 
 
 @_SETTINGS
-@given(text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=60), seed=st.integers(0, 2**16))
+@given(
+    text=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=60),
+    seed=st.integers(0, 2**16),
+)
 def test_random_text_streams_exactly(tok, text, seed):
     ids = tok.encode(text)
     rng = random.Random(seed)
@@ -86,13 +91,18 @@ def test_arbitrary_ids_match_full_decode(tok, ids):
         deltas, _, _, _ = stream(tok, ids, skip_special_tokens=skip)
         full = tok.decode(ids, skip_special_tokens=skip)
         joined = "".join(deltas)
-        assert joined == full or (full.startswith(joined) and set(full[len(joined):]) == {"\ufffd"})
+        assert joined == full or (
+            full.startswith(joined) and set(full[len(joined) :]) == {"\ufffd"}
+        )
 
 
 def test_special_tokens_skipped_or_kept(tok):
     ids = tok.encode("<|im_start|>assistant\nHi there<|im_end|>")
     assert "".join(stream(tok, ids)[0]) == "assistant\nHi there"
-    assert "".join(stream(tok, ids, skip_special_tokens=False)[0]) == "<|im_start|>assistant\nHi there<|im_end|>"
+    assert (
+        "".join(stream(tok, ids, skip_special_tokens=False)[0])
+        == "<|im_start|>assistant\nHi there<|im_end|>"
+    )
 
 
 def test_ids_beyond_the_tokenizer_vocab_decode_to_nothing(tok):
@@ -151,7 +161,10 @@ _small = st.text(alphabet="ab \né😀", min_size=0, max_size=30)
 
 
 @_SETTINGS
-@given(text=_small, stops=st.lists(st.text(alphabet="ab \né😀", min_size=1, max_size=4), min_size=1, max_size=3))
+@given(
+    text=_small,
+    stops=st.lists(st.text(alphabet="ab \né😀", min_size=1, max_size=4), min_size=1, max_size=3),
+)
 def test_stop_strings_against_reference(tok, text, stops):
     ids = tok.encode(text)
     # Reference: generation stops at the first token whose text contains a stop string; the output

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _hf_models import build
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import EngineError, ErrorCode
 from sluice.engine.loader import load_model
 from sluice.engine.sampling_params import SamplingParams
-
-from _hf_models import build
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32)
 
@@ -25,16 +24,21 @@ def save_tiny(kind: str, path, **overrides):
 
 def tiny_engine(path, **config) -> LLMEngine:
     defaults = dict(kv_cache_bytes=8 << 20, block_size=4, max_num_batched_tokens=24)
-    return LLMEngine(config=EngineConfig(**{**defaults, **config}),
-                     loaded=load_model(path, load_tokenizer=False))
+    return LLMEngine(
+        config=EngineConfig(**{**defaults, **config}), loaded=load_model(path, load_tokenizer=False)
+    )
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy generate for one prompt alone; the new tokens (up to and with EOS)."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=model.config.eos_token_id)
-    new = out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=model.config.eos_token_id,
+    )
+    new = out[0, len(prompt) :].tolist()
     eos = model.config.eos_token_id
     return new[: new.index(eos) + 1] if eos in new else new
 
@@ -52,10 +56,19 @@ def prompts_with_shared_prefix(vocab: int, seed: int = 0) -> list[list[int]]:
 PARITY_MODELS = {
     "llama-gqa": ("llama", {}),
     "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
-    "llama3-rope-scaling": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 32},
-                                      "rope_theta": 500000.0}),
+    "llama3-rope-scaling": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "rope_theta": 500000.0,
+        },
+    ),
 }
 
 
@@ -67,12 +80,16 @@ def test_batched_greedy_equals_transformers_alone(name, tmp_path):
     prompts, shared = prompts_with_shared_prefix(hf.config.vocab_size)
     # Leave the shared prefix in the prefix cache, then run everything together: a 24-token
     # budget forces chunked prefill of the longer prompts, mixed with the others' decodes.
-    engine.generate(prompt_token_ids=[shared + [9]], params=SamplingParams(temperature=0, max_tokens=1))
+    engine.generate(
+        prompt_token_ids=[shared + [9]], params=SamplingParams(temperature=0, max_tokens=1)
+    )
     results = engine.generate(prompt_token_ids=prompts, params=GREEDY_32)
 
     for prompt, result in zip(prompts, results):
         assert result.token_ids == hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens"
-    assert results[-1].usage.cached_tokens >= 40 // 4 * 4 - 4, "the shared prefix came from the cache"
+    assert results[-1].usage.cached_tokens >= 40 // 4 * 4 - 4, (
+        "the shared prefix came from the cache"
+    )
     assert results[-2].usage.cached_tokens > 0
 
 
@@ -84,13 +101,22 @@ def test_prefix_cache_reuse_and_tenant_salt(tmp_path):
     second = prefix + torch.randint(3, 101, (13,), generator=g).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
-    cached = tiny_engine(tmp_path, block_size=16, kv_cache_bytes=16 << 20, max_num_batched_tokens=256)
+    cached = tiny_engine(
+        tmp_path, block_size=16, kv_cache_bytes=16 << 20, max_num_batched_tokens=256
+    )
     cached.generate(prompt_token_ids=[first], params=params, cache_salt="tenant-a")
     hit = cached.generate(prompt_token_ids=[second], params=params, cache_salt="tenant-a")[0]
-    other_tenant = cached.generate(prompt_token_ids=[second], params=params, cache_salt="tenant-b")[0]
+    other_tenant = cached.generate(prompt_token_ids=[second], params=params, cache_salt="tenant-b")[
+        0
+    ]
 
-    uncached = tiny_engine(tmp_path, block_size=16, kv_cache_bytes=16 << 20, max_num_batched_tokens=256,
-                           enable_prefix_caching=False)
+    uncached = tiny_engine(
+        tmp_path,
+        block_size=16,
+        kv_cache_bytes=16 << 20,
+        max_num_batched_tokens=256,
+        enable_prefix_caching=False,
+    )
     reference = uncached.generate(prompt_token_ids=[second], params=params)[0]
 
     assert hit.usage.cached_tokens >= 496
@@ -121,8 +147,16 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_outputs(tmp_path):
 def test_abort_frees_blocks_at_once_and_reports_a_final_output(tmp_path):
     save_tiny("llama", tmp_path)
     engine = tiny_engine(tmp_path)
-    engine.add_request("a", prompt_token_ids=list(range(3, 40)), params=SamplingParams(max_tokens=50, ignore_eos=True))
-    engine.add_request("b", prompt_token_ids=list(range(5, 30)), params=SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request(
+        "a",
+        prompt_token_ids=list(range(3, 40)),
+        params=SamplingParams(max_tokens=50, ignore_eos=True),
+    )
+    engine.add_request(
+        "b",
+        prompt_token_ids=list(range(5, 30)),
+        params=SamplingParams(max_tokens=5, ignore_eos=True),
+    )
     for _ in range(4):
         engine.step()
     free_before = engine.scheduler.block_manager.num_free_blocks
@@ -136,19 +170,27 @@ def test_abort_frees_blocks_at_once_and_reports_a_final_output(tmp_path):
     assert finals["b"].finish_reason == "length" and finals["b"].usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(prompt_token_ids=[]), "prompt"),
-    (dict(prompt_token_ids=list(range(3, 100)) * 3), "prompt"),  # longer than the 256-token context
-    (dict(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=0)), "max_tokens"),
-    (dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=1.5)), "top_p"),
-    (dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=0.0)), "top_p"),
-    (dict(prompt_token_ids=[1, 2], params=SamplingParams(temperature=-0.5)), "temperature"),
-    (dict(prompt_token_ids=[1, 100_000]), "prompt_token_ids"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(prompt_token_ids=[]), "prompt"),
+        (
+            dict(prompt_token_ids=list(range(3, 100)) * 3),
+            "prompt",
+        ),  # longer than the 256-token context
+        (dict(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=1.5)), "top_p"),
+        (dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=0.0)), "top_p"),
+        (dict(prompt_token_ids=[1, 2], params=SamplingParams(temperature=-0.5)), "temperature"),
+        (dict(prompt_token_ids=[1, 100_000]), "prompt_token_ids"),
+    ],
+)
 def test_bad_requests_are_rejected_by_field_and_the_engine_keeps_serving(bad, field, tmp_path):
     save_tiny("llama", tmp_path)
     engine = tiny_engine(tmp_path)
-    engine.add_request("ok", prompt_token_ids=[4, 5, 6], params=SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "ok", prompt_token_ids=[4, 5, 6], params=SamplingParams(max_tokens=6, ignore_eos=True)
+    )
     engine.step()
     with pytest.raises(EngineError) as err:
         engine.add_request("bad", **bad)
@@ -164,8 +206,13 @@ def test_bad_requests_are_rejected_by_field_and_the_engine_keeps_serving(bad, fi
 def test_errors_carry_a_code_for_what_went_wrong(tmp_path):
     save_tiny("llama", tmp_path)
     engine = tiny_engine(tmp_path)
-    cases = [(dict(prompt_token_ids=list(range(3, 100)) * 3), ErrorCode.PROMPT_TOO_LONG),
-             (dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=1.5)), ErrorCode.INVALID_REQUEST)]
+    cases = [
+        (dict(prompt_token_ids=list(range(3, 100)) * 3), ErrorCode.PROMPT_TOO_LONG),
+        (
+            dict(prompt_token_ids=[1, 2], params=SamplingParams(top_p=1.5)),
+            ErrorCode.INVALID_REQUEST,
+        ),
+    ]
     for bad, code in cases:
         with pytest.raises(EngineError) as err:
             engine.add_request(**bad)

@@ -32,7 +32,9 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     path = Path(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -65,8 +67,11 @@ def test_streamed_deltas_are_whole_characters_and_add_up_to_the_decode(engine):
         "Reply with only emoji: 🎉🚀🌍❤️👍",
     ]
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"text-{i}", messages=[{"role": "user", "content": prompt}],
-                           params=SamplingParams(temperature=0, max_tokens=40))
+        engine.add_request(
+            f"text-{i}",
+            messages=[{"role": "user", "content": prompt}],
+            params=SamplingParams(temperature=0, max_tokens=40),
+        )
     deltas: dict[str, list[str]] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
@@ -87,12 +92,18 @@ def test_stop_string_across_tokens_stops_and_is_not_emitted(engine):
     free = engine.generate("Once upon a time, in a small village by the sea,", params)[0]
     pieces = [engine.tokenizer.decode([t]) for t in free.token_ids]
     # A stop string made of the end of one token and the start of the next.
-    k = next(i for i in range(5, len(pieces) - 1) if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2)
+    k = next(
+        i
+        for i in range(5, len(pieces) - 1)
+        if len(pieces[i].strip()) >= 2 and len(pieces[i + 1].strip()) >= 2
+    )
     stop = pieces[k][-2:] + pieces[k + 1][:2]
     start = free.text.index(stop)
 
-    stopped = engine.generate("Once upon a time, in a small village by the sea,",
-                              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    stopped = engine.generate(
+        "Once upon a time, in a small village by the sea,",
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
+    )[0]
     assert stopped.finish_reason == "stop" and stopped.samples[0].stop_reason == stop
     assert stopped.text == free.text[:start]
     assert stop not in stopped.text
@@ -100,7 +111,9 @@ def test_stop_string_across_tokens_stops_and_is_not_emitted(engine):
 
 def test_seeded_sampling_repeats_and_another_seed_differs(engine):
     def run(seed: int) -> list[int]:
-        params = SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=32, ignore_eos=True)
+        params = SamplingParams(
+            temperature=0.8, top_p=0.9, seed=seed, max_tokens=32, ignore_eos=True
+        )
         return engine.generate("Write a short poem about the sea.", params)[0].token_ids
 
     first, second, other = run(7), run(7), run(8)
@@ -109,8 +122,10 @@ def test_seeded_sampling_repeats_and_another_seed_differs(engine):
 
 
 def test_chat_prompt_uses_the_models_template_and_stops_at_end_of_turn(engine):
-    result = engine.generate(messages=[[{"role": "user", "content": "Say hello."}]],
-                             params=SamplingParams(temperature=0, max_tokens=64))[0]
+    result = engine.generate(
+        messages=[[{"role": "user", "content": "Say hello."}]],
+        params=SamplingParams(temperature=0, max_tokens=64),
+    )[0]
     assert result.prompt.startswith("<|im_start|>")
     assert result.prompt.endswith("<|im_start|>assistant\n")
     assert result.finish_reason == "stop"

@@ -1,19 +1,30 @@
 """GGUF loading: dequantization against our own float64 decoders of the block formats, llama.cpp's
 Q/K permutation, tiny models written with gguf.GGUFWriter, and the default SmolLM2 file against
 transformers' own GGUF loader."""
+
 from __future__ import annotations
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from _hf_models import (
+    LENGTHS,
+    build,
+    garbage_caches,
+    hf_logits,
+    make_prompts,
+    plan_for,
+    rel_err,
+    run_in_steps,
+    shuffled_tables,
+)
 from gguf import GGMLQuantizationType as Q
 
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import build_model, load_model
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
-from _hf_models import LENGTHS, build, garbage_caches, hf_logits, make_prompts, plan_for, rel_err, run_in_steps, shuffled_tables
 
 # ---------------------------------------------------------------- reference block decoders (float64)
 
@@ -102,7 +113,12 @@ def reference_dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> n
     if qtype == Q.F16:
         return raw.view(np.float16).astype(np.float64).reshape(shape)
     if qtype == Q.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).reshape(shape)
+        return (
+            (raw.view(np.uint16).astype(np.uint32) << 16)
+            .view(np.float32)
+            .astype(np.float64)
+            .reshape(shape)
+        )
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(-1, size)
     dec = _ref_k(blocks, qtype) if block == 256 else _ref_simple(blocks, qtype)
@@ -119,7 +135,9 @@ def _raw_tensor(qtype: Q, shape, rng) -> tuple[np.ndarray, np.ndarray | None]:
     # K-quants: gguf has no quantizer, so random blocks with sane fp16 scales
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
-    scales = rng.uniform(0.01, 0.1, (shape[0], shape[1] // block, 2)).astype(np.float16).view(np.uint8)
+    scales = (
+        rng.uniform(0.01, 0.1, (shape[0], shape[1] // block, 2)).astype(np.float16).view(np.uint8)
+    )
     if qtype == Q.Q6_K:
         raw[..., 208:210] = scales[..., :2]
     else:
@@ -147,7 +165,9 @@ def test_dequantize_matches_reference(name, tmp_path):
     want = reference_dequantize(np.ascontiguousarray(raw).view(np.uint8).reshape(-1), qtype, shape)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     if data is not None:  # and the format round-trips floats within its precision
-        tol = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.03, "Q5_0": 0.2, "Q5_1": 0.2}.get(name, 0.4)
+        tol = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.03, "Q5_0": 0.2, "Q5_1": 0.2}.get(
+            name, 0.4
+        )
         assert np.abs(got - data).max() <= tol * np.abs(data).max() + 1e-7
 
 
@@ -162,7 +182,9 @@ def test_qk_permutation_matches_llama_cpp_rotary():
     assert not np.array_equal(p, w)
     np.testing.assert_array_equal(unpermute_qk(p, heads), w)
 
-    cfg = ModelConfig("llama", 10, hidden, 16, 1, heads, heads, d, 1e-5, 100.0, None, 64, False, False, None, ())
+    cfg = ModelConfig(
+        "llama", 10, hidden, 16, 1, heads, heads, d, 1e-5, 100.0, None, 64, False, False, None, ()
+    )
     rot = RotaryEmbedding(cfg)
     x = torch.randn(5, hidden)
     positions = torch.arange(5) * 3
@@ -172,8 +194,15 @@ def test_qk_permutation_matches_llama_cpp_rotary():
     y = (x @ torch.from_numpy(p).T).view(5, heads, d // 2, 2)
     c, s = cos[..., None].squeeze(1)[:, None], sin[..., None].squeeze(1)[:, None]
     a, b = y[..., 0], y[..., 1]
-    gg = torch.stack((a * c[..., 0] - b * s[..., 0], a * s[..., 0] + b * c[..., 0]), dim=-1).view(5, heads, d)
-    torch.testing.assert_close(unpermute_qk(gg.reshape(5, -1).T.numpy(), heads).T, hf_out.reshape(5, -1).numpy(), rtol=1e-5, atol=1e-5)
+    gg = torch.stack((a * c[..., 0] - b * s[..., 0], a * s[..., 0] + b * c[..., 0]), dim=-1).view(
+        5, heads, d
+    )
+    torch.testing.assert_close(
+        unpermute_qk(gg.reshape(5, -1).T.numpy(), heads).T,
+        hf_out.reshape(5, -1).numpy(),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 # ---------------------------------------------------------------- tiny models written as GGUF
@@ -191,7 +220,9 @@ _GGUF_LAYER = {
 }
 
 
-def write_gguf(path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: bool = False, override=None):
+def write_gguf(
+    path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: bool = False, override=None
+):
     """Write a HF model as llama.cpp's converter would (names, Q/K permutation for llama)."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -203,7 +234,9 @@ def write_gguf(path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: b
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    w.add_rope_dimension_count(
+        getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    )
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     for name, t in hf.state_dict().items():
         t = t.float().numpy()
@@ -218,7 +251,11 @@ def write_gguf(path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: b
             if arch == "llama" and module == "self_attn.k_proj":
                 t = permute_qk(t, c.num_key_value_heads)
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if override and gname in override:
             t = override[gname](t)
         if isinstance(t, tuple):
@@ -243,14 +280,24 @@ def _check_against_hf(hf, loaded):
 
 
 def test_tiny_llama_gguf_with_llama3_rope_freqs(tmp_path):
-    from sluice.engine.rope import _base_inv_freq, inv_freq_and_scale
     from sluice.engine.config import ModelConfig
+    from sluice.engine.rope import _base_inv_freq, inv_freq_and_scale
 
-    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
     hf = build("llama", rope_scaling=scaling)
     # llama.cpp's converter stores llama3 scaling as per-frequency divisors in rope_freqs
-    hf_cfg = ModelConfig.from_hf_dict({**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
-    factors = (_base_inv_freq(hf_cfg.rope_theta, hf_cfg.head_dim) / inv_freq_and_scale(hf_cfg)[0]).numpy()
+    hf_cfg = ModelConfig.from_hf_dict(
+        {**hf.config.to_dict(), "architectures": ["LlamaForCausalLM"]}
+    )
+    factors = (
+        _base_inv_freq(hf_cfg.rope_theta, hf_cfg.head_dim) / inv_freq_and_scale(hf_cfg)[0]
+    ).numpy()
     path = tmp_path / "tiny.gguf"
     write_gguf(path, hf, "llama", rope_freqs=factors)
     loaded = load_model(path, load_tokenizer=False)
@@ -288,8 +335,18 @@ def smollm2():
 
 def test_default_model_metadata(smollm2):
     c = smollm2.config
-    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.intermediate_size) == ("llama", 30, 576, 1536)
-    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert (c.architecture, c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (
+        "llama",
+        30,
+        576,
+        1536,
+    )
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (
+        9,
+        3,
+        64,
+        49152,
+    )
     assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
     from sluice.engine.loader.default import default_model_path
 
@@ -312,7 +369,9 @@ def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatc
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: reader)
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
     meta = load_gguf_checkpoint(smollm2.source, return_tensors=False)["config"]
-    hf_cfg = LlamaConfig(**{k: v for k, v in meta.items() if not k.startswith("_") and k != "model_type"})
+    hf_cfg = LlamaConfig(
+        **{k: v for k, v in meta.items() if not k.startswith("_") and k != "model_type"}
+    )
     with torch.device("meta"):
         hf = LlamaForCausalLM(hf_cfg)
     sd = load_gguf_checkpoint(smollm2.source, return_tensors=True, model_to_load=hf)["tensors"]
@@ -323,7 +382,9 @@ def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatc
 
     tok = smollm2.tokenizer
     prompts = [
-        tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+        tok.encode(
+            "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        ),
         tok.encode("The quick brown fox jumps over the lazy dog. " * 3),
     ]
     model = build_model(smollm2.config, smollm2.tensors)
@@ -346,9 +407,18 @@ def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatc
 
 
 def test_unsupported_quant_type(tmp_path):
-    hf = build("llama", intermediate_size=256, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    hf = build(
+        "llama",
+        intermediate_size=256,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     rng = np.random.default_rng(0)
-    q2k = lambda t: (rng.integers(0, 256, (t.shape[0], t.shape[1] // 256 * 84), dtype=np.uint8), Q.Q2_K)
+    q2k = lambda t: (
+        rng.integers(0, 256, (t.shape[0], t.shape[1] // 256 * 84), dtype=np.uint8),
+        Q.Q2_K,
+    )
     path = tmp_path / "q2k.gguf"
     write_gguf(path, hf, "llama", override={"blk.1.ffn_up.weight": q2k})
     with pytest.raises(EngineError) as e:
@@ -368,7 +438,11 @@ def test_unknown_gguf_architecture(tmp_path):
     w.close()
     with pytest.raises(EngineError) as e:
         load_model(path, load_tokenizer=False)
-    assert str(path) in str(e.value) and "'gpt2'" in str(e.value) and e.value.field == "general.architecture"
+    assert (
+        str(path) in str(e.value)
+        and "'gpt2'" in str(e.value)
+        and e.value.field == "general.architecture"
+    )
 
 
 def test_gguf_missing_and_misshapen_tensor(tmp_path):
@@ -378,4 +452,9 @@ def test_gguf_missing_and_misshapen_tensor(tmp_path):
     with pytest.raises(EngineError) as e:
         load_model(path, load_tokenizer=False)
     msg = str(e.value)
-    assert str(path) in msg and "model.layers.0.mlp.down_proj.weight" in msg and "[64, 95]" in msg and "[64, 96]" in msg
+    assert (
+        str(path) in msg
+        and "model.layers.0.mlp.down_proj.weight" in msg
+        and "[64, 95]" in msg
+        and "[64, 96]" in msg
+    )

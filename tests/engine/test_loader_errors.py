@@ -1,13 +1,14 @@
 """Loader errors name the file and the field (or tensor) at fault."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from _hf_models import build
 from safetensors.torch import load_file, save_file
 
-from _hf_models import build
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import load_model
 
@@ -40,7 +41,11 @@ def test_unknown_architecture(tiny_dir):
     with pytest.raises(EngineError) as e:
         load_model(tiny_dir, load_tokenizer=False)
     msg = str(e.value)
-    assert str(tiny_dir / "config.json") in msg and "GPT2LMHeadModel" in msg and e.value.field == "architectures"
+    assert (
+        str(tiny_dir / "config.json") in msg
+        and "GPT2LMHeadModel" in msg
+        and e.value.field == "architectures"
+    )
 
 
 def test_missing_tensor(tiny_dir):
@@ -85,7 +90,10 @@ def test_no_weights_and_bad_config(tiny_dir):
 
 def test_unsupported_config_values(tiny_dir):
     cfg = json.loads((tiny_dir / "config.json").read_text())
-    for key, value in [("hidden_act", "gelu"), ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4})]:
+    for key, value in [
+        ("hidden_act", "gelu"),
+        ("rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}),
+    ]:
         (tiny_dir / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(EngineError) as e:
             load_model(tiny_dir, load_tokenizer=False)

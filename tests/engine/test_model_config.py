@@ -1,4 +1,5 @@
 """ModelConfig from HF config dicts in both the transformers 4.x and 5.x spellings."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,11 @@ LLAMA31_V4 = {
 def test_transformers_4_spelling():
     c = ModelConfig.from_hf_dict(LLAMA31_V4)
     assert c.architecture == "llama" and c.head_dim == 128 and c.num_key_value_heads == 8
-    assert c.rope_theta == 500000.0 and c.rope_scaling["rope_type"] == "llama3" and c.rope_scaling["factor"] == 8.0
+    assert (
+        c.rope_theta == 500000.0
+        and c.rope_scaling["rope_type"] == "llama3"
+        and c.rope_scaling["factor"] == 8.0
+    )
     assert "rope_theta" not in c.rope_scaling
     assert c.eos_token_ids == (128001, 128008, 128009) and c.bos_token_id == 128000
     assert c.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2
@@ -49,12 +54,33 @@ def test_transformers_5_spelling_and_old_type_key():
 
 
 def test_qwen2_and_mistral_defaults():
-    q = ModelConfig.from_hf_dict({**LLAMA31_V4, "architectures": ["Qwen2ForCausalLM"], "rope_scaling": None, "tie_word_embeddings": True})
-    assert q.architecture == "qwen2" and q.attention_bias and not q.o_proj_bias and q.tie_word_embeddings
-    m = ModelConfig.from_hf_dict({**LLAMA31_V4, "architectures": ["MistralForCausalLM"], "rope_scaling": None, "sliding_window": 4096})
+    q = ModelConfig.from_hf_dict(
+        {
+            **LLAMA31_V4,
+            "architectures": ["Qwen2ForCausalLM"],
+            "rope_scaling": None,
+            "tie_word_embeddings": True,
+        }
+    )
+    assert (
+        q.architecture == "qwen2"
+        and q.attention_bias
+        and not q.o_proj_bias
+        and q.tie_word_embeddings
+    )
+    m = ModelConfig.from_hf_dict(
+        {
+            **LLAMA31_V4,
+            "architectures": ["MistralForCausalLM"],
+            "rope_scaling": None,
+            "sliding_window": 4096,
+        }
+    )
     assert m.architecture == "mistral" and m.sliding_window == 4096 and not m.attention_bias
     with pytest.raises(EngineError) as e:
-        ModelConfig.from_hf_dict({**LLAMA31_V4, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+        ModelConfig.from_hf_dict(
+            {**LLAMA31_V4, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}
+        )
     assert e.value.field == "use_sliding_window"
 
 

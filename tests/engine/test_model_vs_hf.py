@@ -5,13 +5,13 @@ token as a decode), several prompts of different lengths share each flat batch, 
 shuffled with holes, and the cache starts full of garbage: every position's logits must match
 transformers' single forward over the whole prompt.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 import torch
-
 from _hf_models import (
     BLOCK,
     LENGTHS,
@@ -23,12 +23,12 @@ from _hf_models import (
     run_in_steps,
     shuffled_tables,
 )
+
 from sluice.engine.attention import kv_cache_shape
 from sluice.engine.config import EngineConfig
-from sluice.engine.loader import load_model
-from sluice.engine.loader import build_model
-from sluice.engine.paged_cache import LayerKVCache
+from sluice.engine.loader import build_model, load_model
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
+from sluice.engine.paged_cache import LayerKVCache
 
 CASES = {
     "llama_gqa": ("llama", {}),
@@ -53,7 +53,11 @@ CASES = {
         "qwen2",
         {
             "max_position_embeddings": 128,
-            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
         },
     ),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "head_dim": 16}),
@@ -77,7 +81,13 @@ def test_flat_batch_matches_transformers(case, tmp_path):
 
     prompts = make_prompts(cfg.vocab_size)
     num_blocks = 40
-    ours = run_in_steps(model, prompts, shuffled_tables(LENGTHS, num_blocks), garbage_caches(cfg, num_blocks), cfg.sliding_window)
+    ours = run_in_steps(
+        model,
+        prompts,
+        shuffled_tables(LENGTHS, num_blocks),
+        garbage_caches(cfg, num_blocks),
+        cfg.sliding_window,
+    )
     for got, want in zip(ours, hf_logits(hf, prompts)):
         assert got.dtype == torch.float32
         assert rel_err(got, want) <= 1e-4
@@ -100,7 +110,9 @@ def test_bfloat16_close_to_float32(tmp_path):
     cfg = loaded.config
     prompts = make_prompts(cfg.vocab_size, [7, 12])
     tables = shuffled_tables([7, 12], 16)
-    ref = run_in_steps(build_model(cfg, loaded.tensors, torch.float32), prompts, tables, garbage_caches(cfg, 16))
+    ref = run_in_steps(
+        build_model(cfg, loaded.tensors, torch.float32), prompts, tables, garbage_caches(cfg, 16)
+    )
     bf = build_model(cfg, loaded.tensors, "bfloat16")
     assert bf.dtype == torch.bfloat16
     got = run_in_steps(bf, prompts, tables, garbage_caches(cfg, 16, torch.bfloat16))
@@ -110,7 +122,9 @@ def test_bfloat16_close_to_float32(tmp_path):
 
 
 def _seq(tokens, table, computed=0):
-    return SimpleNamespace(token_ids=list(tokens), num_computed_tokens=computed, block_table=list(table))
+    return SimpleNamespace(
+        token_ids=list(tokens), num_computed_tokens=computed, block_table=list(table)
+    )
 
 
 def test_model_runner_execute_and_copy_blocks(tmp_path):
@@ -123,13 +137,17 @@ def test_model_runner_execute_and_copy_blocks(tmp_path):
     assert num_kv_blocks(cfg, ec) == 32
     runner = ModelRunner(model, cfg, ec, 32)
     assert len(runner.kv_caches) == cfg.num_hidden_layers
-    assert runner.kv_caches[0].k.shape == kv_cache_shape(32, BLOCK, cfg.num_key_value_heads, cfg.head_dim)
+    assert runner.kv_caches[0].k.shape == kv_cache_shape(
+        32, BLOCK, cfg.num_key_value_heads, cfg.head_dim
+    )
 
     a, b = make_prompts(cfg.vocab_size, [10, 6])
     ref_a, ref_b = hf_logits(hf, [a, b])
     sa, sb = _seq(a, [7, 2, 11]), _seq(b, [4, 9])
     # step 1: all of b (sampled) and a chunk of a (not sampled)
-    batch = SimpleNamespace(seqs=[sb, sa], num_new_tokens=[6, 5], sample=[True, False], block_copies=[])
+    batch = SimpleNamespace(
+        seqs=[sb, sa], num_new_tokens=[6, 5], sample=[True, False], block_copies=[]
+    )
     logits = runner.execute(batch)
     assert logits.shape == (1, cfg.vocab_size) and logits.dtype == torch.float32
     assert rel_err(logits[0], ref_b[-1]) <= 1e-4
@@ -137,7 +155,9 @@ def test_model_runner_execute_and_copy_blocks(tmp_path):
 
     # fork a: a copy of a's partly filled block 2 -> 13; the copy continues from there
     sa2 = _seq(a, [7, 2, 13], computed=5)
-    batch = SimpleNamespace(seqs=[sa, sa2], num_new_tokens=[5, 5], sample=[True, True], block_copies=[(11, 13)])
+    batch = SimpleNamespace(
+        seqs=[sa, sa2], num_new_tokens=[5, 5], sample=[True, True], block_copies=[(11, 13)]
+    )
     logits = runner.execute(batch)
     assert logits.shape == (2, cfg.vocab_size)
     assert rel_err(logits[0], ref_a[-1]) <= 1e-4
@@ -150,7 +170,9 @@ def test_model_runner_execute_and_copy_blocks(tmp_path):
 def test_num_kv_blocks_defaults():
     from sluice.engine.config import ModelConfig
 
-    cfg = ModelConfig("llama", 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, None, 4096, False, False, None, ())
+    cfg = ModelConfig(
+        "llama", 100, 64, 128, 2, 4, 2, 16, 1e-5, 1e4, None, 4096, False, False, None, ()
+    )
     per_block = cfg.kv_bytes_per_token(4) * 16
     assert num_kv_blocks(cfg, EngineConfig(kv_cache_bytes=per_block * 10 + 5)) == 10
     # bf16 halves the bytes per block
@@ -171,5 +193,7 @@ def test_flat_batch_on_cuda(tmp_path, dtype, tol):
     prompts = make_prompts(cfg.vocab_size)
     caches = [LayerKVCache(*(t.to("cuda") for t in kv)) for kv in garbage_caches(cfg, 40, dtype)]
     # CUDA matmuls may use TF32, hence the looser float32 tolerance
-    for got, want in zip(run_in_steps(model, prompts, shuffled_tables(LENGTHS, 40), caches), hf_logits(hf, prompts)):
+    for got, want in zip(
+        run_in_steps(model, prompts, shuffled_tables(LENGTHS, 40), caches), hf_logits(hf, prompts)
+    ):
         assert rel_err(got.cpu(), want) <= tol

@@ -67,7 +67,9 @@ def greedy(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, 32 greedy tokens) per prompt, decoded freely by the engine."""
     params = SamplingParams(temperature=0, max_tokens=TOKENS_PER_PROMPT, ignore_eos=True)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
-    return [(p, r.token_ids) for p, r in zip(ids, engine.generate(prompt_token_ids=ids, params=params))]
+    return [
+        (p, r.token_ids) for p, r in zip(ids, engine.generate(prompt_token_ids=ids, params=params))
+    ]
 
 
 @torch.inference_mode()
@@ -104,7 +106,9 @@ def agreement(engine: LLMEngine, reference: list[tuple[list[int], list[int]]]) -
     the first difference after 3 to 32 tokens.)"""
     same = total = 0
     for prompt, tokens in reference:
-        picks = chunked_logits(engine, prompt + tokens).argmax(dim=-1)[len(prompt) - 1 : -1].tolist()
+        picks = (
+            chunked_logits(engine, prompt + tokens).argmax(dim=-1)[len(prompt) - 1 : -1].tolist()
+        )
         same += sum(a == b for a, b in zip(picks, tokens))
         total += len(tokens)
     return same / total

@@ -25,7 +25,10 @@ sampler = Sampler()
 def short(p: SamplingParams) -> str:
     """Test id: the fields that differ from the defaults."""
     default = SamplingParams()
-    return ",".join(f"{k}={v}" for k, v in p.__dict__.items() if v != getattr(default, k)) or "defaults"
+    return (
+        ",".join(f"{k}={v}" for k, v in p.__dict__.items() if v != getattr(default, k))
+        or "defaults"
+    )
 
 
 def run(logits, params, seqs=None, generators=None):
@@ -49,7 +52,9 @@ def test_greedy_is_argmax_and_deterministic():
 def test_greedy_rows_in_a_mixed_batch():
     torch.manual_seed(1)
     logits = torch.randn(6, 300)
-    params = [SamplingParams(temperature=0 if i % 2 else 1.0, top_k=5, logprobs=2) for i in range(6)]
+    params = [
+        SamplingParams(temperature=0 if i % 2 else 1.0, top_k=5, logprobs=2) for i in range(6)
+    ]
     before = logits.clone()
     out = run(logits, params)
     for i in range(1, 6, 2):
@@ -140,10 +145,14 @@ TRUNCATIONS = [
 ]
 
 
-@pytest.mark.parametrize("vocab", [64, 3000])  # 3000: a flat row's nucleus is wider than the candidates looked at
+@pytest.mark.parametrize(
+    "vocab", [64, 3000]
+)  # 3000: a flat row's nucleus is wider than the candidates looked at
 def test_truncation_matches_reference_in_a_mixed_batch(vocab):
     torch.manual_seed(3)
-    logits = torch.randn(len(TRUNCATIONS) + 1, vocab) * torch.tensor([3.0] * len(TRUNCATIONS) + [0.1]).unsqueeze(1)
+    logits = torch.randn(len(TRUNCATIONS) + 1, vocab) * torch.tensor(
+        [3.0] * len(TRUNCATIONS) + [0.1]
+    ).unsqueeze(1)
     params = [*TRUNCATIONS, SamplingParams(top_p=0.9)]  # last row nearly flat
     scaled = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
     kept = kept_tokens(scaled, params)
@@ -165,7 +174,11 @@ def test_draws_in_a_mixed_batch_with_a_wide_nucleus():
     torch.manual_seed(9)
     vocab, reps = 3000, 100
     flat, peaked = torch.randn(vocab) * 0.1, torch.randn(vocab) * 4
-    cases = [(flat, SamplingParams(top_p=0.9)), (peaked, SamplingParams(top_k=5)), (peaked, SamplingParams(top_p=0.8))]
+    cases = [
+        (flat, SamplingParams(top_p=0.9)),
+        (peaked, SamplingParams(top_k=5)),
+        (peaked, SamplingParams(top_p=0.8)),
+    ]
     logits = torch.stack([row for row, _ in cases] * reps)
     out = run(logits, [p for _, p in cases] * reps)
     for j, (row, p) in enumerate(cases):
@@ -182,7 +195,11 @@ def _chi2_critical(df: int, z: float = 3.29) -> float:
 
 @pytest.mark.parametrize(
     "p",
-    [SamplingParams(), SamplingParams(temperature=0.6, top_k=8), SamplingParams(top_p=0.8, min_p=0.02)],
+    [
+        SamplingParams(),
+        SamplingParams(temperature=0.6, top_k=8),
+        SamplingParams(top_p=0.8, min_p=0.02),
+    ],
     ids=short,
 )
 def test_frequencies_follow_the_distribution(p):
@@ -206,7 +223,10 @@ def test_seeded_rows_do_not_depend_on_batch_mates():
 
     def trajectory(batch_size: int, position: int, mates_seeded: bool) -> list[int]:
         gen = torch.Generator().manual_seed(target.seed)
-        mates = [torch.Generator().manual_seed(99 + j) if mates_seeded else None for j in range(batch_size)]
+        mates = [
+            torch.Generator().manual_seed(99 + j) if mates_seeded else None
+            for j in range(batch_size)
+        ]
         tokens = []
         for step in range(steps):
             rows = torch.randn(batch_size, vocab)  # the mates' logits change from run to run
@@ -228,7 +248,9 @@ def test_seeded_rows_do_not_depend_on_batch_mates():
 def test_different_seeds_differ_and_unseeded_uses_global_rng():
     row = torch.zeros(1, 1000)  # uniform
     p = SamplingParams()
-    a = [run(row, [p], generators=[torch.Generator().manual_seed(s)]).token_ids[0] for s in range(20)]
+    a = [
+        run(row, [p], generators=[torch.Generator().manual_seed(s)]).token_ids[0] for s in range(20)
+    ]
     assert len(set(a)) > 10
     torch.manual_seed(7)
     b = [run(row, [p]).token_ids[0] for _ in range(5)]
@@ -301,7 +323,9 @@ def test_validation_names_the_field(name, value):
 
 def test_valid_params_pass():
     SamplingParams().validate()
-    SamplingParams(temperature=0, top_k=-1, top_p=1, min_p=1, n=4, logprobs=20, seed=2**64 - 1).validate()
+    SamplingParams(
+        temperature=0, top_k=-1, top_p=1, min_p=1, n=4, logprobs=20, seed=2**64 - 1
+    ).validate()
     p = SamplingParams(stop="END")
     assert p.stop == ["END"] and p.greedy is False
     assert SamplingParams(temperature=0).greedy
@@ -319,8 +343,13 @@ def test_on_cuda_seeded_and_truncated():
         logits = torch.randn(batch, 5000, device=dev)
         logits[0] = row
         params = [p] + [SamplingParams(top_k=3)] * (batch - 1)
-        return [run(logits, params, generators=[gen] + [None] * (batch - 1)).token_ids[0] for _ in range(10)]
+        return [
+            run(logits, params, generators=[gen] + [None] * (batch - 1)).token_ids[0]
+            for _ in range(10)
+        ]
 
     alone = draw(1)
     assert draw(64) == alone
-    assert set(alone) <= reference_kept(row.cpu() / 1.0, SamplingParams(top_p=0.9, min_p=0.01, temperature=0.9))
+    assert set(alone) <= reference_kept(
+        row.cpu() / 1.0, SamplingParams(top_p=0.9, min_p=0.01, temperature=0.9)
+    )

@@ -21,7 +21,9 @@ from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
 from sluice.engine.sequence import Sequence, SequenceStatus
 
 
-def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, max_model_len=1024, caching=True):
+def make_sched(
+    num_blocks=64, block_size=4, budget=64, max_seqs=8, max_model_len=1024, caching=True
+):
     cfg = EngineConfig(
         block_size=block_size,
         max_num_batched_tokens=budget,
@@ -37,8 +39,14 @@ _arrival = iter(range(10**9))
 def make_seq(rid, prompt, max_tokens=4, priority=0, salt=None):
     if isinstance(prompt, int):
         prompt = [hash((rid, i)) % 1000 for i in range(prompt)]
-    return Sequence(rid, prompt, max_tokens=max_tokens, priority=priority,
-                    arrival_time=float(next(_arrival)), cache_salt=salt)
+    return Sequence(
+        rid,
+        prompt,
+        max_tokens=max_tokens,
+        priority=priority,
+        arrival_time=float(next(_arrival)),
+        cache_salt=salt,
+    )
 
 
 def next_token(seq: Sequence) -> int:
@@ -81,7 +89,11 @@ class FakeEngine:
             assert smp == (q.num_computed_tokens + n == q.num_tokens)
             assert len(q.block_table) >= s.block_manager.blocks_for(q.num_computed_tokens + n)
         for q in batch.preempted:
-            assert q.status is SequenceStatus.WAITING and q.block_table == [] and q.num_computed_tokens == 0
+            assert (
+                q.status is SequenceStatus.WAITING
+                and q.block_table == []
+                and q.num_computed_tokens == 0
+            )
         assert len(s.running) <= s.max_num_seqs
 
     def step(self) -> ScheduledBatch:
@@ -103,7 +115,10 @@ class FakeEngine:
             seq.append_token(next_token(seq))
         self.sched.on_step_done(batch)
         for seq in sampled:
-            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.sched.max_model_len:
+            if (
+                seq.num_output_tokens >= seq.max_tokens
+                or seq.num_tokens >= self.sched.max_model_len
+            ):
                 seq.finish_reason = "length"
                 self.sched.finish(seq)
                 self.finished.append(seq)
@@ -115,7 +130,9 @@ class FakeEngine:
             self.step()
             steps += 1
             assert steps < max_steps, "scheduler did not make progress"
-        assert self.sched.block_manager.num_free_blocks == self.sched.block_manager.num_usable_blocks
+        assert (
+            self.sched.block_manager.num_free_blocks == self.sched.block_manager.num_usable_blocks
+        )
         return steps
 
 
@@ -169,7 +186,9 @@ def test_chunked_prefill_covers_exactly_the_prompt():
     for _ in range(4):
         b = eng.step()
         assert b.seqs == [seq]
-        covered.append((seq.num_computed_tokens - b.num_new_tokens[0], b.num_new_tokens[0], b.sample[0]))
+        covered.append(
+            (seq.num_computed_tokens - b.num_new_tokens[0], b.num_new_tokens[0], b.sample[0])
+        )
     assert covered == [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True)]
     assert seq.num_tokens == 101 and seq.num_computed_tokens == 100
     eng.run()
@@ -223,7 +242,9 @@ def test_budget_and_max_num_seqs_never_exceeded():
     assert max(len(b.seqs) for b in eng.batches) == 3
     assert max(b.num_tokens for b in eng.batches) == 24
     for q in seqs:
-        assert q.output_token_ids == reference_output(q.prompt_token_ids, q.request_id, q.max_tokens)
+        assert q.output_token_ids == reference_output(
+            q.prompt_token_ids, q.request_id, q.max_tokens
+        )
 
 
 def test_priority_then_arrival_order():
@@ -258,7 +279,9 @@ def test_preemption_under_tiny_cache_finishes_everything_with_the_same_output():
     for q in seqs:
         assert q.status is SequenceStatus.FINISHED
         assert q.num_output_tokens == q.max_tokens
-        assert q.output_token_ids == reference_output(q.prompt_token_ids, q.request_id, q.max_tokens)
+        assert q.output_token_ids == reference_output(
+            q.prompt_token_ids, q.request_id, q.max_tokens
+        )
 
 
 def test_preempted_seq_recomputes_prompt_and_output():
@@ -392,7 +415,9 @@ def test_fork_shares_prompt_blocks_and_copies_partial_block():
         assert child.block_table[2] != parent.block_table[2]
     assert all(bm.ref_counts[b] == 3 for b in parent.block_table[:2])
     batch = eng.step()
-    assert sorted(batch.block_copies) == sorted((parent.block_table[2], c.block_table[2]) for c in children)
+    assert sorted(batch.block_copies) == sorted(
+        (parent.block_table[2], c.block_table[2]) for c in children
+    )
     assert batch.seqs == [parent] + children and batch.num_new_tokens == [1, 1, 1]
     eng.run()
     outs = {tuple(q.output_token_ids) for q in [parent] + children}
@@ -430,7 +455,9 @@ def test_second_turn_reuses_the_first_turns_kv():
     s.add(second)
     batch = eng.step()
     assert second.num_cached_tokens >= 496
-    assert batch.num_new_tokens == [second.num_tokens - 1 - second.num_cached_tokens]  # after the sample
+    assert batch.num_new_tokens == [
+        second.num_tokens - 1 - second.num_cached_tokens
+    ]  # after the sample
     other = make_seq("t3", shared + [9] * 30, max_tokens=3, salt="someone-else")
     s.add(other)
     eng.run()
@@ -454,15 +481,29 @@ def test_second_turn_reuses_the_first_turns_kv():
     max_seqs=st.integers(1, 6),
     caching=st.booleans(),
     reqs=st.lists(
-        st.tuples(st.integers(1, 24), st.integers(1, 16), st.integers(0, 2), st.integers(0, 2), st.integers(0, 4)),
+        st.tuples(
+            st.integers(1, 24),
+            st.integers(1, 16),
+            st.integers(0, 2),
+            st.integers(0, 2),
+            st.integers(0, 4),
+        ),
         min_size=1,
         max_size=10,
     ),
     data=st.data(),
 )
-def test_random_workloads_finish_with_correct_output(num_blocks, block_size, budget, max_seqs, caching, reqs, data):
-    s = make_sched(num_blocks=num_blocks, block_size=block_size, budget=budget, max_seqs=max_seqs,
-                   caching=caching, max_model_len=64)
+def test_random_workloads_finish_with_correct_output(
+    num_blocks, block_size, budget, max_seqs, caching, reqs, data
+):
+    s = make_sched(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        budget=budget,
+        max_seqs=max_seqs,
+        caching=caching,
+        max_model_len=64,
+    )
     eng = FakeEngine(s)
     prefixes = [[7] * 9, [1, 2, 3, 4, 5, 6], []]
     accepted, pending = [], list(enumerate(reqs))
@@ -473,12 +514,20 @@ def test_random_workloads_finish_with_correct_output(num_blocks, block_size, bud
             if not pending:
                 break
             i, (plen, max_tokens, prio, pfx, abort_after) = pending.pop(0)
-            q = make_seq(f"q{i}", prefixes[pfx] + [i] * plen, max_tokens=max_tokens, priority=prio,
-                         salt=None if i % 3 else "s")
+            q = make_seq(
+                f"q{i}",
+                prefixes[pfx] + [i] * plen,
+                max_tokens=max_tokens,
+                priority=prio,
+                salt=None if i % 3 else "s",
+            )
             try:
                 s.add(q)
             except EngineError:
-                assert s.block_manager.blocks_for(s.max_kv_tokens(q)) > s.block_manager.num_usable_blocks
+                assert (
+                    s.block_manager.blocks_for(s.max_kv_tokens(q))
+                    > s.block_manager.num_usable_blocks
+                )
                 continue
             accepted.append((q, abort_after))
         if s.has_unfinished():
@@ -516,7 +565,12 @@ def test_aborted_fork_child_drops_its_pending_copy():
 def test_sequence_helpers_and_config_validation():
     q = Sequence("x", [5, 6, 7], max_tokens=2)
     q.append_token(8)
-    assert (q.num_tokens, q.num_output_tokens, q.prompt_token_ids, q.output_token_ids) == (4, 1, [5, 6, 7], [8])
+    assert (q.num_tokens, q.num_output_tokens, q.prompt_token_ids, q.output_token_ids) == (
+        4,
+        1,
+        [5, 6, 7],
+        [8],
+    )
     assert q.last_token_id == 8 and not q.is_prefill_done and q.max_len == 5
     with pytest.raises(ValueError):
         q.fork("y", num_tokens=2)  # would cut into the prompt

@@ -28,7 +28,9 @@ def ours() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def theirs():
-    return transformers.AutoTokenizer.from_pretrained(str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name
+    )
 
 
 TEXTS = [
@@ -57,19 +59,25 @@ TEXTS = [
 def test_gguf_ids_and_text_match_transformers(ours, theirs, text):
     ids = ours.encode(text)
     assert ids == theirs.encode(text)
-    assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
+    assert ours.encode(text, add_special_tokens=False) == theirs.encode(
+        text, add_special_tokens=False
+    )
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids) == text
 
 
 # Every character but surrogates and non-ASCII numerals (see the next test), plus ASCII digits.
 _text = st.text(
-    alphabet=st.characters(exclude_categories=("Cs", "Nd", "Nl", "No"), include_characters="0123456789 \n\t"),
+    alphabet=st.characters(
+        exclude_categories=("Cs", "Nd", "Nl", "No"), include_characters="0123456789 \n\t"
+    ),
     max_size=40,
 ).filter(lambda t: not re.search(r"\s\s\d", t))  # whitespace runs before a digit: see the next test
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=_text)
 def test_gguf_random_text_matches_transformers(ours, theirs, text):
     assert ours.encode(text) == theirs.encode(text)
@@ -97,7 +105,9 @@ def test_gguf_special_tokens(ours):
     assert ours.eos_token_ids[0] == im_end  # the file's eos: the chat model ends turns with it
     assert eot in ours.eos_token_ids
     assert ours.encode("<|im_start|>") == [1]  # recognised in text, not split into pieces
-    assert ours.encode("hi") == ours.encode("hi", add_special_tokens=False)  # add_bos_token is false
+    assert ours.encode("hi") == ours.encode(
+        "hi", add_special_tokens=False
+    )  # add_bos_token is false
     assert ours.decode([1, *ours.encode("hi"), im_end]) == "hi"
 
 
@@ -123,8 +133,12 @@ def test_gguf_chat_template_matches_transformers(ours, theirs, messages, gen):
 
 
 def test_chat_message_parts_and_errors(ours):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert ours.apply_chat_template(parts) == ours.apply_chat_template([{"role": "user", "content": "ab"}])
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    assert ours.apply_chat_template(parts) == ours.apply_chat_template(
+        [{"role": "user", "content": "ab"}]
+    )
     with pytest.raises(EngineError) as e:
         ours.apply_chat_template([])
     assert e.value.field == "messages"
@@ -156,7 +170,9 @@ def _byte_level_backend():
     t.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     t.train_from_iterator(_CORPUS, trainer)
     t.post_processor = processors.TemplateProcessing(
@@ -172,19 +188,30 @@ def _sentencepiece_backend():
     norm = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     t = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     t.normalizer = norm
-    t.train_from_iterator(_CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    t.train_from_iterator(
+        _CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    )
     trained = json.loads(t.to_str())["model"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [tok for tok in trained["vocab"] if tok not in tokens]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
     spm = tokenizers.Tokenizer(
-        models.BPE({tok: i for i, tok in enumerate(tokens)}, merges, unk_token="<unk>", byte_fallback=True)
+        models.BPE(
+            {tok: i for i, tok in enumerate(tokens)}, merges, unk_token="<unk>", byte_fallback=True
+        )
     )
     spm.normalizer = norm
     spm.decoder = decoders.Sequence(
-        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
-    spm.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in ["<unk>", "<s>", "</s>"]])
+    spm.add_special_tokens(
+        [AddedToken(s, special=True, normalized=False) for s in ["<unk>", "<s>", "</s>"]]
+    )
     return spm
 
 
@@ -209,7 +236,9 @@ def test_tiny_hf_dir_matches_transformers(tmp_path, kind):
         )
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
     else:
-        path = _hf_dir(tmp_path, _sentencepiece_backend(), bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+        path = _hf_dir(
+            tmp_path, _sentencepiece_backend(), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        )
     ours = Tokenizer.from_hf_dir(path)
     theirs = transformers.AutoTokenizer.from_pretrained(path)
     for text in TEXTS + ["Hello ☃ world", " leading space"]:

@@ -29,18 +29,42 @@ def new_prefix() -> str:
 class PipelineProcess:
     """One `sluice run` process; its log goes to a file for the test's failure message."""
 
-    def __init__(self, bootstrap: str, redis_url: str | None, prefix: str, log_dir: Path, *extra: str,
-                 name: str = "pipeline", env: dict[str, str] | None = None, group: str | None = None):
+    def __init__(
+        self,
+        bootstrap: str,
+        redis_url: str | None,
+        prefix: str,
+        log_dir: Path,
+        *extra: str,
+        name: str = "pipeline",
+        env: dict[str, str] | None = None,
+        group: str | None = None,
+    ):
         self.name = name
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         # A consumer group of the test's own (default: the topic prefix; roles append -ROLE): a
         # shared group would rebalance with every other `sluice run` on the same broker.
-        args = [sys.executable, "-m", "sluice", "run", "--bootstrap-servers", bootstrap,
-                "--topic-prefix", prefix, "--group", group or prefix, "--partitions", "4", *ENGINE_FLAGS, *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "sluice",
+            "run",
+            "--bootstrap-servers",
+            bootstrap,
+            "--topic-prefix",
+            prefix,
+            "--group",
+            group or prefix,
+            "--partitions",
+            "4",
+            *ENGINE_FLAGS,
+            *extra,
+        ]
         args += ["--redis-url", redis_url] if redis_url else ["--no-sessions"]
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            args, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
     @property
     def pid(self) -> int:
@@ -55,7 +79,9 @@ class PipelineProcess:
             if "pipeline" in self.tail() and " up: reading " in self.tail():
                 return
             if self.proc.poll() is not None:
-                raise AssertionError(f"sluice run exited with {self.proc.returncode}:\n{self.tail()}")
+                raise AssertionError(
+                    f"sluice run exited with {self.proc.returncode}:\n{self.tail()}"
+                )
             time.sleep(0.3)
         raise AssertionError(f"sluice run not ready in {timeout} s:\n{self.tail()}")
 
@@ -97,7 +123,18 @@ async def publish(bootstrap: str, topic: str, messages: list[tuple[bytes | None,
         await producer.stop()
 
 
-TOPICS = ["the sea", "mountains", "a robot", "coffee", "the moon", "trains", "cats", "rain", "bread", "music"]
+TOPICS = [
+    "the sea",
+    "mountains",
+    "a robot",
+    "coffee",
+    "the moon",
+    "trains",
+    "cats",
+    "rain",
+    "bread",
+    "music",
+]
 
 
 def fifty_requests() -> list[dict]:
@@ -106,10 +143,14 @@ def fifty_requests() -> list[dict]:
     for i in range(50):
         topic = TOPICS[i % len(TOPICS)]
         if i % 3 == 0:
-            fields = {"messages": [{"role": "user", "content": f"Write one sentence about {topic}."}]}
+            fields = {
+                "messages": [{"role": "user", "content": f"Write one sentence about {topic}."}]
+            }
         else:
             fields = {"prompt": f"Request {i}: a short note about {topic} says"}
-        out.append({"request_id": f"req-{i:02d}", "temperature": 0, "max_tokens": 8 + i % 9, **fields})
+        out.append(
+            {"request_id": f"req-{i:02d}", "temperature": 0, "max_tokens": 8 + i % 9, **fields}
+        )
     return out
 
 
@@ -131,18 +172,31 @@ class Streams:
 
     def text(self, rid: str) -> str:
         """Text of completion 0, keeping the highest-seq copy of each event (duplicates dropped)."""
-        by_seq = {e["seq"]: e for e in self.events[rid] if e["type"] == "token" and e.get("index", 0) == 0}
+        by_seq = {
+            e["seq"]: e for e in self.events[rid] if e["type"] == "token" and e.get("index", 0) == 0
+        }
         return "".join(by_seq[s]["text"] for s in sorted(by_seq))
 
 
-async def collect(bootstrap: str, prefix: str, expected: set[str], timeout: float = 300,
-                  dlq_expected: int = 0, streams: Streams | None = None) -> Streams:
+async def collect(
+    bootstrap: str,
+    prefix: str,
+    expected: set[str],
+    timeout: float = 300,
+    dlq_expected: int = 0,
+    streams: Streams | None = None,
+) -> Streams:
     """Read the tokens and dead-letter topics until every expected request has a final or error
     event and `dlq_expected` dead letters arrived."""
     streams = streams or Streams()
-    consumer = AIOKafkaConsumer(f"{prefix}.tokens", f"{prefix}.dlq", bootstrap_servers=bootstrap,
-                                auto_offset_reset="earliest", enable_auto_commit=False,
-                                metadata_max_age_ms=1000)
+    consumer = AIOKafkaConsumer(
+        f"{prefix}.tokens",
+        f"{prefix}.dlq",
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        metadata_max_age_ms=1000,
+    )
     await consumer.start()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -168,7 +222,9 @@ async def committed_everything(bootstrap: str, topic: str, group: str, timeout: 
     """True once the group's committed offsets reach the end of every partition of topic."""
     from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False
+    )
     await consumer.start()
     try:
         from aiokafka.admin import AIOKafkaAdminClient
@@ -176,16 +232,23 @@ async def committed_everything(bootstrap: str, topic: str, group: str, timeout: 
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
         await admin.start()
         try:
-            partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
+            partitions = [
+                TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []
+            ]
             if not partitions:
                 await consumer.topics()
-                partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []]
+                partitions = [
+                    TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or []
+                ]
             ends = await consumer.end_offsets(partitions)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while loop.time() < deadline:
                 offsets = await admin.list_consumer_group_offsets(group)
-                if all(offsets.get(tp) is not None and offsets[tp].offset >= ends[tp] for tp in partitions):
+                if all(
+                    offsets.get(tp) is not None and offsets[tp].offset >= ends[tp]
+                    for tp in partitions
+                ):
                     return True
                 await asyncio.sleep(0.5)
             return False
@@ -214,7 +277,9 @@ def scrape(port: int) -> dict[str, list]:
     return samples
 
 
-def value(samples: dict[str, list], name: str, default: float | None = None, **labels: str) -> float:
+def value(
+    samples: dict[str, list], name: str, default: float | None = None, **labels: str
+) -> float:
     """The one sample of `name` whose labels include `labels` (`default` when there is none)."""
     found = [v for ls, v in samples.get(name, []) if all(ls.get(k) == w for k, w in labels.items())]
     if not found and default is not None:
@@ -232,9 +297,14 @@ class Watcher:
         self.streams = Streams()
         self.records = 0
         self.positions: dict = {}  # TopicPartition -> next offset to read
-        self._consumer = AIOKafkaConsumer(f"{prefix}.tokens", f"{prefix}.dlq", bootstrap_servers=bootstrap,
-                                          auto_offset_reset="earliest", enable_auto_commit=False,
-                                          metadata_max_age_ms=1000)
+        self._consumer = AIOKafkaConsumer(
+            f"{prefix}.tokens",
+            f"{prefix}.dlq",
+            bootstrap_servers=bootstrap,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            metadata_max_age_ms=1000,
+        )
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Watcher:
@@ -280,11 +350,17 @@ class Watcher:
             ends = await probe.end_offsets(partitions)
         finally:
             await probe.stop()
-        await self.wait_for(lambda _: all(self.positions.get(tp, 0) >= end for tp, end in ends.items()),
-                            timeout, "the watcher to read up to the end of its topics")
+        await self.wait_for(
+            lambda _: all(self.positions.get(tp, 0) >= end for tp, end in ends.items()),
+            timeout,
+            "the watcher to read up to the end of its topics",
+        )
         return self.streams
 
     async def wait_finals(self, expected: set[str], timeout: float) -> Streams:
-        await self.wait_for(lambda s: all(s.finals(rid) for rid in expected), timeout,
-                            f"final events of {len(expected)} requests")
+        await self.wait_for(
+            lambda s: all(s.finals(rid) for rid in expected),
+            timeout,
+            f"final events of {len(expected)} requests",
+        )
         return self.streams

@@ -35,15 +35,19 @@ async def new_topic(bootstrap: str, partitions: int) -> str:
 
 async def produce(bootstrap: str, topic: str, count: int, partitions: int, start: int = 0) -> None:
     async with EventProducer(bootstrap_servers=bootstrap) as producer:
-        futures = [await producer.send(topic, f"k{i}", str(i).encode(), partition=i % partitions)
-                   for i in range(start, start + count)]
+        futures = [
+            await producer.send(topic, f"k{i}", str(i).encode(), partition=i % partitions)
+            for i in range(start, start + count)
+        ]
         await producer.flush()
         for future in futures:
             await future
 
 
 def consumer(bootstrap: str, topic: str, group: str, **options) -> RequestConsumer:
-    return RequestConsumer(topic, bootstrap_servers=bootstrap, group_id=group, **{**FAST, **options})
+    return RequestConsumer(
+        topic, bootstrap_servers=bootstrap, group_id=group, **{**FAST, **options}
+    )
 
 
 async def poll_n(c: RequestConsumer, n: int, timeout: float = 20.0) -> list:
@@ -76,11 +80,14 @@ async def wait_for(condition, timeout: float, what: str) -> None:
 
 
 async def test_ensure_topics_creates_missing_tolerates_existing_and_warns_on_fewer(
-        bootstrap_servers, caplog):
+    bootstrap_servers, caplog
+):
     three, one = unique("test.topics"), unique("test.topics")
     # Two callers at once: one creates, the other meets TopicAlreadyExists and goes on.
-    results = await asyncio.gather(ensure_topics(bootstrap_servers, {three: 3, one: 1}),
-                                   ensure_topics(bootstrap_servers, {three: 3, one: 1}))
+    results = await asyncio.gather(
+        ensure_topics(bootstrap_servers, {three: 3, one: 1}),
+        ensure_topics(bootstrap_servers, {three: 3, one: 1}),
+    )
     assert results == [{three: 3, one: 1}] * 2
     assert await ensure_topics(bootstrap_servers, {three: 3}) == {three: 3}
 
@@ -91,7 +98,9 @@ async def test_ensure_topics_creates_missing_tolerates_existing_and_warns_on_few
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
     await admin.start()
     try:
-        described = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics([three, one])}
+        described = {
+            t["topic"]: len(t["partitions"]) for t in await admin.describe_topics([three, one])
+        }
     finally:
         await admin.close()
     assert described == {three: 3, one: 1}
@@ -100,15 +109,19 @@ async def test_ensure_topics_creates_missing_tolerates_existing_and_warns_on_few
 async def test_producer_writes_keys_headers_in_order(bootstrap_servers):
     topic = await new_topic(bootstrap_servers, 1)
     async with EventProducer(bootstrap_servers=bootstrap_servers) as producer:
-        futures = [await producer.send(topic, "req-1", f"delta {i}".encode(),
-                                       headers={"seq": str(i), "raw": b"\x00\x01"})
-                   for i in range(20)]
+        futures = [
+            await producer.send(
+                topic, "req-1", f"delta {i}".encode(), headers={"seq": str(i), "raw": b"\x00\x01"}
+            )
+            for i in range(20)
+        ]
         metadata = [await f for f in futures]
         last = await producer.send_and_wait(topic, b"req-1", b"final")
     assert [m.offset for m in metadata] == list(range(20)) and last.offset == 20
 
-    reader = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap_servers,
-                              auto_offset_reset="earliest")
+    reader = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap_servers, auto_offset_reset="earliest"
+    )
     await reader.start()
     try:
         records = []
@@ -123,7 +136,8 @@ async def test_producer_writes_keys_headers_in_order(bootstrap_servers):
 
 
 async def test_out_of_order_completion_then_restart_redelivers_from_first_unfinished(
-        bootstrap_servers):
+    bootstrap_servers,
+):
     topic, group = await new_topic(bootstrap_servers, 2), unique("group")
     await produce(bootstrap_servers, topic, 40, partitions=2)
     rnd = random.Random(4)
@@ -141,10 +155,12 @@ async def test_out_of_order_completion_then_restart_redelivers_from_first_unfini
     # Stopping with records in flight abandons them: they are not committed.
     assert first.abandoned == 5
     first_unfinished = {p: min([o for q, o in unfinished if q == p] or [20]) for p in (0, 1)}
-    assert {tp.partition: o for tp, o in committed.items()} == \
-        {p: o for p, o in first_unfinished.items() if o > 0}
+    assert {tp.partition: o for tp, o in committed.items()} == {
+        p: o for p, o in first_unfinished.items() if o > 0
+    }
     assert await group_offsets(bootstrap_servers, group) == {
-        p: o for p, o in first_unfinished.items() if o > 0}
+        p: o for p, o in first_unfinished.items() if o > 0
+    }
 
     second = consumer(bootstrap_servers, topic, group)
     async with second:
@@ -239,13 +255,15 @@ async def test_second_consumer_joining_mid_stream_loses_and_duplicates_nothing(b
     await asyncio.gather(runner_a, runner_b)
 
     seen = [(p, o) for _, p, o in processed]
-    assert len(seen) == total and set(seen) == {(i % partitions, i // partitions)
-                                                 for i in range(total)}
+    assert len(seen) == total and set(seen) == {
+        (i % partitions, i // partitions) for i in range(total)
+    }
     assert a.assignments >= 2 and b.assignments >= 1  # a rebalanced when b joined
     assert a.abandoned == b.abandoned == 0
     assert any(name == "b" for name, _, _ in processed)
-    assert await group_offsets(bootstrap_servers, group) == {p: total // partitions
-                                                             for p in range(partitions)}
+    assert await group_offsets(bootstrap_servers, group) == {
+        p: total // partitions for p in range(partitions)
+    }
 
 
 async def test_revocation_drain_timeout_abandons_and_late_done_is_not_committed(bootstrap_servers):
@@ -283,7 +301,8 @@ async def test_revocation_drain_timeout_abandons_and_late_done_is_not_committed(
 
 
 async def test_partition_coming_back_to_the_same_member_ignores_its_abandoned_records(
-        bootstrap_servers):
+    bootstrap_servers,
+):
     topic, other = await new_topic(bootstrap_servers, 1), await new_topic(bootstrap_servers, 1)
     group = unique("group")
     await produce(bootstrap_servers, topic, 3, partitions=1)
@@ -341,7 +360,10 @@ async def test_rebalances_while_iterating_at_the_bound_lose_nothing(bootstrap_se
     committed. A regression: a rebalance during a fetch used to drop the fetched records (the
     fetch appended them to a buffer the revocation had replaced), then a commit passed them."""
     partitions, total = 4, 400
-    topic, other = await new_topic(bootstrap_servers, partitions), await new_topic(bootstrap_servers, 1)
+    topic, other = (
+        await new_topic(bootstrap_servers, partitions),
+        await new_topic(bootstrap_servers, 1),
+    )
     group = unique("group")
     await produce(bootstrap_servers, topic, total, partitions=partitions)
     handed: list[tuple[int, int]] = []
@@ -390,7 +412,9 @@ async def test_rebalances_while_iterating_at_the_bound_lose_nothing(bootstrap_se
 
     assert rebalances >= 4
     assert set(handed) == {(i % partitions, i // partitions) for i in range(total)}
-    assert await group_offsets(bootstrap_servers, group) == {p: total // partitions for p in range(partitions)}
+    assert await group_offsets(bootstrap_servers, group) == {
+        p: total // partitions for p in range(partitions)
+    }
 
 
 async def test_stop_waits_for_in_flight_records_then_commits(bootstrap_servers):

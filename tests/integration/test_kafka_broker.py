@@ -42,11 +42,14 @@ async def consume_until(consumer: AIOKafkaConsumer, stop_after: int, timeout: fl
     return records, next_offsets
 
 
-async def test_ten_thousand_idempotent_messages_in_order_and_resume_after_restart(bootstrap_servers):
+async def test_ten_thousand_idempotent_messages_in_order_and_resume_after_restart(
+    bootstrap_servers,
+):
     total, partitions = 10_000, 4
     topic = await create_topic(bootstrap_servers, partitions)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, enable_idempotence=True, acks="all",
-                                linger_ms=5)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers, enable_idempotence=True, acks="all", linger_ms=5
+    )
     await producer.start()
     try:
         futures = [
@@ -62,8 +65,13 @@ async def test_ten_thousand_idempotent_messages_in_order_and_resume_after_restar
     group = f"group-{uuid.uuid4().hex[:8]}"
 
     def new_consumer() -> AIOKafkaConsumer:
-        return AIOKafkaConsumer(topic, bootstrap_servers=bootstrap_servers, group_id=group,
-                                enable_auto_commit=False, auto_offset_reset="earliest")
+        return AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=bootstrap_servers,
+            group_id=group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
 
     first = new_consumer()
     await first.start()
@@ -100,9 +108,16 @@ async def test_ten_thousand_idempotent_messages_in_order_and_resume_after_restar
             assert seq == sorted(seq)
 
 
-async def read_all(bootstrap: str, topic: str, isolation: str, expected_at_least: int) -> list[bytes]:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                                isolation_level=isolation, enable_auto_commit=False)
+async def read_all(
+    bootstrap: str, topic: str, isolation: str, expected_at_least: int
+) -> list[bytes]:
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        isolation_level=isolation,
+        enable_auto_commit=False,
+    )
     await consumer.start()
     try:
         records, _ = await consume_until(consumer, stop_after=expected_at_least, timeout=20)
@@ -115,8 +130,9 @@ async def read_all(bootstrap: str, topic: str, isolation: str, expected_at_least
 
 async def test_aborted_transaction_is_invisible_to_read_committed(bootstrap_servers):
     topic = await create_topic(bootstrap_servers, 1)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers,
-                                transactional_id=f"tx-{uuid.uuid4().hex[:8]}")
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers, transactional_id=f"tx-{uuid.uuid4().hex[:8]}"
+    )
     await producer.start()
     try:
         async with producer.transaction():
@@ -139,4 +155,6 @@ async def test_aborted_transaction_is_invisible_to_read_committed(bootstrap_serv
     ]
     # The aborted records were really written: a read_uncommitted consumer sees them.
     everything = await read_all(bootstrap_servers, topic, "read_uncommitted", expected_at_least=15)
-    assert [v for v in everything if v.startswith(b"aborted")] == [f"aborted{i}".encode() for i in range(5)]
+    assert [v for v in everything if v.startswith(b"aborted")] == [
+        f"aborted{i}".encode() for i in range(5)
+    ]

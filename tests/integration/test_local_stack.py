@@ -23,16 +23,25 @@ def free_port() -> int:
 
 
 def sluice(*args: str, env: dict[str, str] | None = None, timeout: float = 300):
-    return subprocess.run([sys.executable, "-m", "sluice", *args], capture_output=True, text=True,
-                          env=env or os.environ.copy(), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sluice", *args],
+        capture_output=True,
+        text=True,
+        env=env or os.environ.copy(),
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
 def stack_env(tmp_path: Path) -> dict[str, str]:
     """A second stack on its own ports and data directory, beside any stack already running."""
     env = os.environ.copy()
-    env.update(SLUICE_HOME=str(tmp_path / "home"), SLUICE_KAFKA_PORT=str(free_port()),
-               SLUICE_KAFKA_CONTROLLER_PORT=str(free_port()), SLUICE_REDIS_PORT=str(free_port()))
+    env.update(
+        SLUICE_HOME=str(tmp_path / "home"),
+        SLUICE_KAFKA_PORT=str(free_port()),
+        SLUICE_KAFKA_CONTROLLER_PORT=str(free_port()),
+        SLUICE_REDIS_PORT=str(free_port()),
+    )
     yield env
     sluice("stack", "down", env=env)
 
@@ -73,8 +82,10 @@ def test_port_in_use_is_named(stack_env):
     assert f"port 127.0.0.1:{port} is in use" in result.stderr
     assert "Traceback" not in result.stderr
     # The failed start left no Redis of ours running.
-    assert not (Path(env["SLUICE_HOME"]) / "redis" / "redis.pid").exists() or \
-        sluice("stack", "status", env=env).returncode == 1
+    assert (
+        not (Path(env["SLUICE_HOME"]) / "redis" / "redis.pid").exists()
+        or sluice("stack", "status", env=env).returncode == 1
+    )
 
 
 def test_missing_java_is_named(stack_env, tmp_path):
@@ -101,7 +112,9 @@ def test_unreachable_maven_repository_is_named(stack_env, tmp_path):
         "<settings><mirrors><mirror><id>nowhere</id><mirrorOf>*</mirrorOf>"
         f"<url>http://127.0.0.1:{free_port()}/maven2</url></mirror></mirrors></settings>"
     )
-    env = dict(stack_env, SLUICE_CACHE_DIR=str(tmp_path / "cache"), MAVEN_OPTS=f"-Duser.home={user_home}")
+    env = dict(
+        stack_env, SLUICE_CACHE_DIR=str(tmp_path / "cache"), MAVEN_OPTS=f"-Duser.home={user_home}"
+    )
     result = sluice("stack", "up", env=env)
     assert result.returncode != 0
     assert "could not resolve org.apache.kafka:kafka_2.13" in result.stderr

@@ -8,11 +8,17 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from pipeline_harness import (
+    PipelineProcess,
+    collect,
+    committed_everything,
+    fifty_requests,
+    new_prefix,
+    publish,
+    request,
+)
 
 from sluice.engine import EngineConfig, LLMEngine, SamplingParams
-
-from pipeline_harness import (PipelineProcess, collect, committed_everything, fifty_requests, new_prefix, publish,
-                              request)
 
 pytestmark = pytest.mark.integration
 
@@ -34,15 +40,21 @@ def prefix() -> str:
     return new_prefix()
 
 
-async def test_fifty_requests_stream_complete_and_match_the_engine(bootstrap_servers, redis_url, prefix,
-                                                                   tmp_path, engine):
+async def test_fifty_requests_stream_complete_and_match_the_engine(
+    bootstrap_servers, redis_url, prefix, tmp_path, engine
+):
     bodies = fifty_requests()
     pipeline = PipelineProcess(bootstrap_servers, redis_url, prefix, tmp_path)
     try:
         pipeline.wait_ready()
-        await publish(bootstrap_servers, f"{prefix}.requests",
-                      [request(b["request_id"], **{k: v for k, v in b.items() if k != "request_id"})
-                       for b in bodies])
+        await publish(
+            bootstrap_servers,
+            f"{prefix}.requests",
+            [
+                request(b["request_id"], **{k: v for k, v in b.items() if k != "request_id"})
+                for b in bodies
+            ],
+        )
         streams = await collect(bootstrap_servers, prefix, {b["request_id"] for b in bodies})
         assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
     finally:
@@ -64,7 +76,8 @@ async def test_fifty_requests_stream_complete_and_match_the_engine(bootstrap_ser
 
 
 async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete(
-        bootstrap_servers, prefix, tmp_path):
+    bootstrap_servers, prefix, tmp_path
+):
     good = {"temperature": 0, "max_tokens": 4}
     messages = [
         request("ok-1", prompt="Hello", **good),
@@ -81,7 +94,15 @@ async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete
     try:
         pipeline.wait_ready()
         await publish(bootstrap_servers, f"{prefix}.requests", messages)
-        expected = {"ok-1", "ok-2", "missing-prompt", "wrong-type", "out-of-range", "too-long", "old-version"}
+        expected = {
+            "ok-1",
+            "ok-2",
+            "missing-prompt",
+            "wrong-type",
+            "out-of-range",
+            "too-long",
+            "old-version",
+        }
         streams = await collect(bootstrap_servers, prefix, expected, dlq_expected=1)
         assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
     finally:
@@ -92,10 +113,15 @@ async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete
         assert event["type"] == "error", event
         return event
 
-    assert error("missing-prompt")["code"] == "invalid_request" and "prompt" in error("missing-prompt")["message"]
+    assert (
+        error("missing-prompt")["code"] == "invalid_request"
+        and "prompt" in error("missing-prompt")["message"]
+    )
     assert error("wrong-type")["field"] == "max_tokens"
     assert error("out-of-range")["field"] == "top_p"
-    assert error("too-long")["code"] == "prompt_too_long" and "context" in error("too-long")["message"]
+    assert (
+        error("too-long")["code"] == "prompt_too_long" and "context" in error("too-long")["message"]
+    )
     assert error("old-version")["code"] == "unsupported_schema_version"
     for rid in ("ok-1", "ok-2"):
         (final,) = streams.finals(rid)
@@ -108,19 +134,32 @@ async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete
 
 
 async def test_a_deadline_passing_while_generating_ends_the_stream_with_what_was_sent(
-        bootstrap_servers, prefix, tmp_path):
+    bootstrap_servers, prefix, tmp_path
+):
     pipeline = PipelineProcess(bootstrap_servers, None, prefix, tmp_path)
     try:
         pipeline.wait_ready()
         now = time.time()
-        await publish(bootstrap_servers, f"{prefix}.requests", [
-            # ~2 minutes of tokens on this CPU without its deadline
-            request("long", prompt="Count to ten thousand:", temperature=0, max_tokens=4000, ignore_eos=True,
-                    deadline=now + 4),
-            request("late", prompt="hi", max_tokens=4, deadline=now - 1),
-            request("no-deadline", prompt="Hello", temperature=0, max_tokens=4),
-        ])
-        streams = await collect(bootstrap_servers, prefix, {"long", "late", "no-deadline"}, timeout=90)
+        await publish(
+            bootstrap_servers,
+            f"{prefix}.requests",
+            [
+                # ~2 minutes of tokens on this CPU without its deadline
+                request(
+                    "long",
+                    prompt="Count to ten thousand:",
+                    temperature=0,
+                    max_tokens=4000,
+                    ignore_eos=True,
+                    deadline=now + 4,
+                ),
+                request("late", prompt="hi", max_tokens=4, deadline=now - 1),
+                request("no-deadline", prompt="Hello", temperature=0, max_tokens=4),
+            ],
+        )
+        streams = await collect(
+            bootstrap_servers, prefix, {"long", "late", "no-deadline"}, timeout=90
+        )
         assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
     finally:
         pipeline.stop()
@@ -138,18 +177,33 @@ async def test_a_deadline_passing_while_generating_ends_the_stream_with_what_was
     assert other["finish_reason"] == "length" and other["usage"]["completion_tokens"] == 4
 
 
-async def test_second_turn_of_a_session_reuses_the_first_turns_kv_cache(bootstrap_servers, redis_url, prefix,
-                                                                         tmp_path):
+async def test_second_turn_of_a_session_reuses_the_first_turns_kv_cache(
+    bootstrap_servers, redis_url, prefix, tmp_path
+):
     session = f"s-{prefix}"
     pipeline = PipelineProcess(bootstrap_servers, redis_url, prefix, tmp_path)
     try:
         pipeline.wait_ready()
         turn = {"temperature": 0, "max_tokens": 24, "session_id": session, "tenant": "acme"}
-        await publish(bootstrap_servers, f"{prefix}.requests",
-                      [request("turn-1", messages=[{"role": "user", "content": "Name three rivers."}], **turn)])
+        await publish(
+            bootstrap_servers,
+            f"{prefix}.requests",
+            [
+                request(
+                    "turn-1", messages=[{"role": "user", "content": "Name three rivers."}], **turn
+                )
+            ],
+        )
         first = (await collect(bootstrap_servers, prefix, {"turn-1"})).finals("turn-1")[0]
-        await publish(bootstrap_servers, f"{prefix}.requests",
-                      [request("turn-2", messages=[{"role": "user", "content": "Which is longest?"}], **turn)])
+        await publish(
+            bootstrap_servers,
+            f"{prefix}.requests",
+            [
+                request(
+                    "turn-2", messages=[{"role": "user", "content": "Which is longest?"}], **turn
+                )
+            ],
+        )
         second = (await collect(bootstrap_servers, prefix, {"turn-2"})).finals("turn-2")[0]
     finally:
         pipeline.stop()

@@ -28,10 +28,15 @@ def free_port() -> int:
 
 
 def record(**changes) -> SessionRecord:
-    base = dict(tenant="acme", session_id=f"s-{uuid.uuid4().hex[:8]}",
-                messages=[{"role": "user", "content": "hi"},
-                          {"role": "assistant", "content": "hello!"}],
-                token_ids=[1, 2, 3, 4, 5], owner="runner-0", model="smollm2", turns=1)
+    base = dict(
+        tenant="acme",
+        session_id=f"s-{uuid.uuid4().hex[:8]}",
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello!"}],
+        token_ids=[1, 2, 3, 4, 5],
+        owner="runner-0",
+        model="smollm2",
+        turns=1,
+    )
     return SessionRecord(**{**base, **changes})
 
 

@@ -16,19 +16,31 @@ _TYPES = {
     "string": lambda v: isinstance(v, str),
     "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
-    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool))
-    or (isinstance(v, float) and v.is_integer()),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, float) and v.is_integer())
+    ),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
 }
 
 _IGNORED = {
-    "$schema", "$id", "$defs", "title", "description", "default", "examples", "format",
-    "discriminator", "readOnly", "writeOnly",
+    "$schema",
+    "$id",
+    "$defs",
+    "title",
+    "description",
+    "default",
+    "examples",
+    "format",
+    "discriminator",
+    "readOnly",
+    "writeOnly",
 }
 
 
-def errors(instance: Any, schema: dict[str, Any], root: dict[str, Any] | None = None,
-           path: str = "$") -> list[str]:
+def errors(
+    instance: Any, schema: dict[str, Any], root: dict[str, Any] | None = None, path: str = "$"
+) -> list[str]:
     """Every violation of ``schema`` by ``instance`` (empty when valid)."""
     root = schema if root is None else root
     out: list[str] = []
@@ -37,7 +49,7 @@ def errors(instance: Any, schema: dict[str, Any], root: dict[str, Any] | None = 
             continue
         if key == "$ref":
             assert want.startswith("#/$defs/"), want
-            out += errors(instance, root["$defs"][want[len("#/$defs/"):]], root, path)
+            out += errors(instance, root["$defs"][want[len("#/$defs/") :]], root, path)
         elif key == "type":
             kinds = want if isinstance(want, list) else [want]
             if not any(_TYPES[k](instance) for k in kinds):

@@ -25,32 +25,57 @@ from sluice.schemas import (
 )
 
 FINAL = FinalEvent(
-    request_id="r1", seq=3, finish_reason="length",
+    request_id="r1",
+    seq=3,
+    finish_reason="length",
     usage=Usage(prompt_tokens=10, cached_tokens=8, completion_tokens=3),
     timings=Timings(queue_s=0.001, ttft_s=0.02, tpot_s=0.005, total_s=0.03),
-    model="smollm2", text="abc", metadata={"k": [1, None]},
+    model="smollm2",
+    text="abc",
+    metadata={"k": [1, None]},
 )
 
 
 def test_token_event_wire_form():
     ev = TokenEvent(request_id="r1", seq=0, token_ids=[5, 6], text="Hi")
     assert json.loads(encode(ev)) == {
-        "schema_version": 1, "type": "token", "request_id": "r1", "seq": 0, "index": 0,
-        "token_ids": [5, 6], "text": "Hi",
+        "schema_version": 1,
+        "type": "token",
+        "request_id": "r1",
+        "seq": 0,
+        "index": 0,
+        "token_ids": [5, 6],
+        "text": "Hi",
     }
     assert decode_event(encode(ev)) == ev
 
 
 def test_every_event_type_round_trips_through_the_union():
     events = [
-        TokenEvent(request_id="r1", seq=1, token_ids=[1], text="a",
-                   logprobs=[TokenLogprob(token_id=1, logprob=-0.5,
-                                          top=[TopLogprob(token_id=2, logprob=-1.5)])]),
+        TokenEvent(
+            request_id="r1",
+            seq=1,
+            token_ids=[1],
+            text="a",
+            logprobs=[
+                TokenLogprob(token_id=1, logprob=-0.5, top=[TopLogprob(token_id=2, logprob=-1.5)])
+            ],
+        ),
         FINAL,
-        FINAL.model_copy(update={"choices": [
-            Choice(index=0, text="abc", finish_reason="length", completion_tokens=3),
-            Choice(index=1, text="x", finish_reason="stop", stop_reason="\n",
-                   completion_tokens=1)]}),
+        FINAL.model_copy(
+            update={
+                "choices": [
+                    Choice(index=0, text="abc", finish_reason="length", completion_tokens=3),
+                    Choice(
+                        index=1,
+                        text="x",
+                        finish_reason="stop",
+                        stop_reason="\n",
+                        completion_tokens=1,
+                    ),
+                ]
+            }
+        ),
         ErrorEvent(request_id="r1", seq=4, code=ErrorCode.OVERLOADED, message="queue full"),
         ErrorEvent(code="invalid_json", message="bad").with_raw(b"\x00\x01"),
     ]
@@ -79,8 +104,12 @@ def test_unknown_event_types_are_reported_so_consumers_can_skip_them():
 
 
 def test_malformed_events_raise_value_errors():
-    for raw in (b"nope", b"[1]", b'{"type": "token", "request_id": "r1"}',
-                b'{"type": "final", "request_id": "r1", "seq": 0}'):
+    for raw in (
+        b"nope",
+        b"[1]",
+        b'{"type": "token", "request_id": "r1"}',
+        b'{"type": "final", "request_id": "r1", "seq": 0}',
+    ):
         with pytest.raises(ValueError):
             decode_event(raw)
 
@@ -92,15 +121,21 @@ def test_unknown_error_codes_are_accepted():
 
 def test_error_code_values_are_stable():
     assert [c.value for c in ErrorCode] == [
-        "invalid_json", "invalid_request", "unsupported_schema_version", "prompt_too_long",
-        "deadline_exceeded", "overloaded", "internal",
+        "invalid_json",
+        "invalid_request",
+        "unsupported_schema_version",
+        "prompt_too_long",
+        "deadline_exceeded",
+        "overloaded",
+        "internal",
     ]
-    assert json.loads(encode(ErrorEvent(code=ErrorCode.INTERNAL, message="x")))["code"] == "internal"
+    assert (
+        json.loads(encode(ErrorEvent(code=ErrorCode.INTERNAL, message="x")))["code"] == "internal"
+    )
 
 
 def test_logprobs_are_clamped_to_finite_values():
-    lp = TokenLogprob(token_id=1, logprob=float("-inf"),
-                      top=[TopLogprob(token_id=2, logprob=1e-9)])
+    lp = TokenLogprob(token_id=1, logprob=float("-inf"), top=[TopLogprob(token_id=2, logprob=1e-9)])
     assert lp.logprob == -9999.0 and lp.top[0].logprob == 0.0
     assert b"Infinity" not in encode(TokenEvent(request_id="r", seq=0, logprobs=[lp]))
     with pytest.raises(ValidationError):
@@ -118,8 +153,12 @@ def test_usage_total_and_timings_nullable():
 
 def test_error_for_a_decoded_request_echoes_it():
     req = GenerateRequest(prompt="x", request_id="r9", session_id="s", metadata={"a": 1})
-    ev = ErrorEvent.for_request(req, ErrorCode.PROMPT_TOO_LONG,
-                                "prompt: 9000 tokens; the context holds 8192", field="prompt")
+    ev = ErrorEvent.for_request(
+        req,
+        ErrorCode.PROMPT_TOO_LONG,
+        "prompt: 9000 tokens; the context holds 8192",
+        field="prompt",
+    )
     assert (ev.request_id, ev.session_id, ev.metadata) == ("r9", "s", {"a": 1})
     assert ev.code == "prompt_too_long" and ev.field == "prompt" and ev.raw is None
 

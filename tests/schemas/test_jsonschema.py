@@ -31,8 +31,13 @@ def doc_examples() -> list[tuple[str, object]]:
 
 
 def test_all_schemas_are_exported_as_plain_json():
-    assert set(SCHEMAS) == {"GenerateRequest", "TokenEvent", "FinalEvent", "ErrorEvent",
-                            "OutputEvent"}
+    assert set(SCHEMAS) == {
+        "GenerateRequest",
+        "TokenEvent",
+        "FinalEvent",
+        "ErrorEvent",
+        "OutputEvent",
+    }
     for name, schema in SCHEMAS.items():
         assert json.loads(json.dumps(schema)) == schema
         assert schema["$schema"].endswith("2020-12/schema") and schema["title"] == name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from pydantic import ValidationError
@@ -32,21 +32,37 @@ def test_minimal_prompt_request_gets_defaults():
 
 
 def test_chat_request_round_trips():
-    raw = json.dumps({
-        "request_id": "r-1",
-        "session_id": "s:1",
-        "tenant": "acme",
-        "messages": [{"role": "system", "content": "Be brief."},
-                     {"role": "user", "content": "Hi"},
-                     {"role": "assistant", "content": ""},
-                     {"role": "tool", "content": "{}"}],
-        "temperature": 0, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
-        "repetition_penalty": 1.1, "presence_penalty": -2, "frequency_penalty": 2,
-        "max_tokens": 1_000_000, "stop": ["\n\n", "###"], "stop_token_ids": [2, 0],
-        "ignore_eos": True, "n": 16, "logprobs": 20, "seed": 2**64 - 1,
-        "reply_topic": "my.replies-1_a", "priority": -5, "deadline": 1_900_000_000.5,
-        "metadata": {"trace": "x", "nested": {"a": [1, 2.5, None, True]}},
-    }).encode()
+    raw = json.dumps(
+        {
+            "request_id": "r-1",
+            "session_id": "s:1",
+            "tenant": "acme",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": ""},
+                {"role": "tool", "content": "{}"},
+            ],
+            "temperature": 0,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "presence_penalty": -2,
+            "frequency_penalty": 2,
+            "max_tokens": 1_000_000,
+            "stop": ["\n\n", "###"],
+            "stop_token_ids": [2, 0],
+            "ignore_eos": True,
+            "n": 16,
+            "logprobs": 20,
+            "seed": 2**64 - 1,
+            "reply_topic": "my.replies-1_a",
+            "priority": -5,
+            "deadline": 1_900_000_000.5,
+            "metadata": {"trace": "x", "nested": {"a": [1, 2.5, None, True]}},
+        }
+    ).encode()
     req = decode_request(raw)
     assert req.is_chat and req.messages[0] == Message(role="system", content="Be brief.")
     assert req.temperature == 0.0 and isinstance(req.temperature, float)
@@ -76,7 +92,7 @@ def test_deadline_accepts_unix_seconds_and_iso_datetimes(text, expected):
 
 
 def test_deadline_from_python_datetime():
-    when = datetime.now(timezone.utc) + timedelta(seconds=30)
+    when = datetime.now(UTC) + timedelta(seconds=30)
     assert GenerateRequest(prompt="x", deadline=when).deadline == pytest.approx(when.timestamp())
 
 
@@ -102,8 +118,11 @@ def test_sampling_kwargs_mirror_the_sampling_fields():
 
 def test_sampling_kwargs_build_the_engines_sampling_params():
     from sluice.engine.sampling_params import SamplingParams
-    req = decode_request(b'{"prompt": "x", "temperature": 0, "top_k": 5, "stop": ["a"], '
-                         b'"n": 2, "logprobs": 3, "seed": 1, "skip_special_tokens": false}')
+
+    req = decode_request(
+        b'{"prompt": "x", "temperature": 0, "top_k": 5, "stop": ["a"], '
+        b'"n": 2, "logprobs": 3, "seed": 1, "skip_special_tokens": false}'
+    )
     params = SamplingParams(**req.sampling_kwargs())
     params.validate()
     assert (params.temperature, params.top_k, params.stop, params.n) == (0.0, 5, ["a"], 2)

@@ -6,10 +6,26 @@ from sluice.actors.runtime.actor import Actor, ActorFailed, ActorState
 from sluice.actors.runtime.mailbox import Mailbox, MailboxClosed, MailboxFull
 from sluice.actors.runtime.supervisor import Decision, RestartPolicy, Supervisor
 from sluice.actors.runtime.system import ActorSystem
-from sluice.actors.runtime.worker import ThreadedWorker, WorkerFailed, WorkerStopped, in_passing_thread
+from sluice.actors.runtime.worker import (
+    ThreadedWorker,
+    WorkerFailed,
+    WorkerStopped,
+    in_passing_thread,
+)
 
 __all__ = [
-    "Actor", "ActorFailed", "ActorState", "ActorSystem", "Decision", "Mailbox", "MailboxClosed",
-    "MailboxFull", "RestartPolicy", "Supervisor", "ThreadedWorker", "WorkerFailed", "WorkerStopped",
+    "Actor",
+    "ActorFailed",
+    "ActorState",
+    "ActorSystem",
+    "Decision",
+    "Mailbox",
+    "MailboxClosed",
+    "MailboxFull",
+    "RestartPolicy",
+    "Supervisor",
+    "ThreadedWorker",
+    "WorkerFailed",
+    "WorkerStopped",
     "in_passing_thread",
 ]

@@ -28,7 +28,8 @@ import enum
 import logging
 import reprlib
 import time
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from sluice.actors.runtime.mailbox import Mailbox, MailboxClosed
 from sluice.actors.runtime.supervisor import RestartPolicy, Supervisor
@@ -77,13 +78,19 @@ class Actor:
     capacity: int = 64
     restart_policy: RestartPolicy | str = RestartPolicy()
 
-    def __init__(self, name: str | None = None, *, capacity: int | None = None,
-                 restart_policy: RestartPolicy | str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        capacity: int | None = None,
+        restart_policy: RestartPolicy | str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name or type(self).__name__
         self.mailbox = Mailbox(capacity or type(self).capacity, self.name)
         self.restart_policy = RestartPolicy.coerce(
-            restart_policy if restart_policy is not None else type(self).restart_policy)
+            restart_policy if restart_policy is not None else type(self).restart_policy
+        )
         self.state = ActorState.NEW
         self.failure: ActorFailed | None = None
         # counters for metrics
@@ -96,10 +103,10 @@ class Actor:
         self._ready: asyncio.Future[None] | None = None
         self._stopping = False
         self._stop_event = asyncio.Event()
-        self._hooks_live = False          # on_start completed, on_stop not yet run
-        self._in_hand: list[Any] = []     # the message being handled, if any
-        self._where = ""                  # what the actor was doing, for the crash log line
-        self._handling: Any = None        # with _where "handling": the message (rendered only on a crash)
+        self._hooks_live = False  # on_start completed, on_stop not yet run
+        self._in_hand: list[Any] = []  # the message being handled, if any
+        self._where = ""  # what the actor was doing, for the crash log line
+        self._handling: Any = None  # with _where "handling": the message (rendered only on a crash)
         self._background: set[asyncio.Task[Any]] = set()
         self._watchers: list[Callable[[Actor], None]] = []
 
@@ -125,8 +132,12 @@ class Actor:
 
     def on_unprocessed(self, messages: list[Any]) -> None:
         """Queued messages the actor ends without handling (stop, failure). Default: a warning."""
-        log.warning("actor %s ended with %d unprocessed message(s), first: %s",
-                    self.name, len(messages), describe(messages[0]))
+        log.warning(
+            "actor %s ended with %d unprocessed message(s), first: %s",
+            self.name,
+            len(messages),
+            describe(messages[0]),
+        )
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -168,8 +179,12 @@ class Actor:
             self.state = ActorState.DRAINING
         done, _ = await asyncio.wait({self._task}, timeout=timeout)
         if not done:
-            log.warning("actor %s: drain not finished after %gs (%d queued); stopping",
-                        self.name, timeout, self.mailbox.depth)
+            log.warning(
+                "actor %s: drain not finished after %gs (%d queued); stopping",
+                self.name,
+                timeout,
+                self.mailbox.depth,
+            )
             return await self.stop(timeout)
         return self.unprocessed
 
@@ -300,7 +315,9 @@ class Actor:
                 try:
                     await self.on_failure(message, exc)
                 except Exception:
-                    log.exception("actor %s: on_failure raised for %s", self.name, describe(message))
+                    log.exception(
+                        "actor %s: on_failure raised for %s", self.name, describe(message)
+                    )
                 raise
             self._in_hand = []
             self.processed += 1
@@ -360,8 +377,12 @@ class Actor:
         if isinstance(exc, MailboxClosed) and self.mailbox.closed:
             return  # the actor is draining or stopping: a sender to its own mailbox just ends
         if self.done:
-            log.error("actor %s: background task %s failed after the actor ended",
-                      self.name, task.get_name(), exc_info=exc)
+            log.error(
+                "actor %s: background task %s failed after the actor ended",
+                self.name,
+                task.get_name(),
+                exc_info=exc,
+            )
             return
         self.fail(exc)
 

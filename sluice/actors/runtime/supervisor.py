@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 RESTART = "restart"
 ESCALATE = "escalate"
@@ -21,21 +22,29 @@ ESCALATE = "escalate"
 @dataclass(frozen=True)
 class RestartPolicy:
     kind: Literal["restart", "escalate"] = RESTART
-    max_restarts: int = 3       # restarts allowed within `window` seconds; one more crash escalates
-    window: float = 60.0        # seconds
-    backoff: float = 0.1        # seconds before the first restart
+    max_restarts: int = 3  # restarts allowed within `window` seconds; one more crash escalates
+    window: float = 60.0  # seconds
+    backoff: float = 0.1  # seconds before the first restart
     backoff_factor: float = 2.0
     max_backoff: float = 5.0
 
     def __post_init__(self) -> None:
         if self.kind not in (RESTART, ESCALATE):
-            raise ValueError(f"restart policy must be {RESTART!r} or {ESCALATE!r}, got {self.kind!r}")
+            raise ValueError(
+                f"restart policy must be {RESTART!r} or {ESCALATE!r}, got {self.kind!r}"
+            )
         if self.max_restarts < 0 or self.window <= 0 or self.backoff < 0 or self.backoff_factor < 1:
             raise ValueError(f"invalid restart policy {self}")
 
     @classmethod
-    def restart(cls, max_restarts: int = 3, window: float = 60.0, backoff: float = 0.1,
-                backoff_factor: float = 2.0, max_backoff: float = 5.0) -> RestartPolicy:
+    def restart(
+        cls,
+        max_restarts: int = 3,
+        window: float = 60.0,
+        backoff: float = 0.1,
+        backoff_factor: float = 2.0,
+        max_backoff: float = 5.0,
+    ) -> RestartPolicy:
         return cls(RESTART, max_restarts, window, backoff, backoff_factor, max_backoff)
 
     @classmethod
@@ -53,8 +62,8 @@ class RestartPolicy:
 @dataclass(frozen=True)
 class Decision:
     restart: bool
-    delay: float    # seconds to wait before restarting (0 when escalating)
-    reason: str     # for the log line
+    delay: float  # seconds to wait before restarting (0 when escalating)
+    reason: str  # for the log line
 
 
 class Supervisor:
@@ -78,11 +87,21 @@ class Supervisor:
         self._forget_old(now)
         restarts_needed = len(self._crashes)
         if restarts_needed > policy.max_restarts:
-            return Decision(False, 0.0, f"{restarts_needed} crashes within {policy.window:g}s "
-                                        f"exceed max_restarts={policy.max_restarts}")
-        delay = min(policy.max_backoff, policy.backoff * policy.backoff_factor ** (restarts_needed - 1))
-        return Decision(True, delay, f"restart {restarts_needed}/{policy.max_restarts} "
-                                     f"within {policy.window:g}s after {delay:.3g}s")
+            return Decision(
+                False,
+                0.0,
+                f"{restarts_needed} crashes within {policy.window:g}s "
+                f"exceed max_restarts={policy.max_restarts}",
+            )
+        delay = min(
+            policy.max_backoff, policy.backoff * policy.backoff_factor ** (restarts_needed - 1)
+        )
+        return Decision(
+            True,
+            delay,
+            f"restart {restarts_needed}/{policy.max_restarts} "
+            f"within {policy.window:g}s after {delay:.3g}s",
+        )
 
     def _forget_old(self, now: float) -> None:
         while self._crashes and now - self._crashes[0] > self.policy.window:

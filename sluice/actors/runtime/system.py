@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from sluice.actors.runtime.actor import Actor, ActorFailed
 
@@ -27,11 +28,16 @@ A = TypeVar("A", bound=Actor)
 
 
 class ActorSystem:
-    def __init__(self, name: str = "sluice", *, drain_timeout: float | None = 60.0,
-                 stop_timeout: float | None = 10.0) -> None:
+    def __init__(
+        self,
+        name: str = "sluice",
+        *,
+        drain_timeout: float | None = 60.0,
+        stop_timeout: float | None = 10.0,
+    ) -> None:
         self.name = name
-        self.drain_timeout = drain_timeout   # per actor; then it is stopped
-        self.stop_timeout = stop_timeout     # per actor; then its task is cancelled
+        self.drain_timeout = drain_timeout  # per actor; then it is stopped
+        self.stop_timeout = stop_timeout  # per actor; then its task is cancelled
         self.failure: ActorFailed | None = None
         self.unprocessed: dict[str, int] = {}  # after shutdown: messages each actor left
         self._added: list[Actor] = []
@@ -60,7 +66,9 @@ class ActorSystem:
         for actor in self._added:
             for target in self._sends_to[id(actor)]:
                 if id(target) not in known:
-                    raise ValueError(f"{actor.name} sends to {target.name}, which is not in the system")
+                    raise ValueError(
+                        f"{actor.name} sends to {target.name}, which is not in the system"
+                    )
                 indegree[id(target)] += 1
         position = {id(a): i for i, a in enumerate(self._added)}
         order: list[Actor] = []
@@ -129,11 +137,13 @@ class ActorSystem:
             self._graceful = False
         if self._shutdown_task is None:
             self._shutdown_task = asyncio.get_running_loop().create_task(
-                self._shutdown_in_order(), name=f"actor-system:{self.name}:shutdown")
+                self._shutdown_in_order(), name=f"actor-system:{self.name}:shutdown"
+            )
         return await asyncio.shield(self._shutdown_task)
 
     def install_signal_handlers(
-            self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+        self,
+        signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
     ) -> Callable[[], None]:
         """First signal: drain in order; a second: stop now. Returns a function removing them."""
         loop = asyncio.get_running_loop()
@@ -141,7 +151,9 @@ class ActorSystem:
 
         def on_signal(sig: signal.Signals) -> None:
             if not self._shutdown_requested:
-                log.warning("received %s: draining actors (send it again to stop at once)", sig.name)
+                log.warning(
+                    "received %s: draining actors (send it again to stop at once)", sig.name
+                )
                 self.request_shutdown(graceful=True)
             else:
                 log.warning("received %s again: stopping actors now", sig.name)
@@ -168,16 +180,24 @@ class ActorSystem:
             self.unprocessed[actor.name] = left
         self._current = None
         total = sum(self.unprocessed.values())
-        log.info("actor system %s shut down (%s)%s", self.name,
-                 "drained" if self._graceful and self.failure is None else "stopped",
-                 f", {total} message(s) left unprocessed" if total else "")
+        log.info(
+            "actor system %s shut down (%s)%s",
+            self.name,
+            "drained" if self._graceful and self.failure is None else "stopped",
+            f", {total} message(s) left unprocessed" if total else "",
+        )
         return dict(self.unprocessed)
 
     async def _fail(self) -> None:
         failure = self.failure
         assert failure is not None
-        log.critical("actor %s failed: %s: %s (%s); shutting down", failure.actor_name,
-                     type(failure.cause).__name__, failure.cause, failure.reason)
+        log.critical(
+            "actor %s failed: %s: %s (%s); shutting down",
+            failure.actor_name,
+            type(failure.cause).__name__,
+            failure.cause,
+            failure.reason,
+        )
         self.request_shutdown(graceful=False)
         await self.shutdown(graceful=False)
         raise failure

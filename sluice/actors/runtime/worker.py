@@ -26,15 +26,16 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 log = logging.getLogger("sluice.actors")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
 
-_WAKE = object()   # put on the inbox to wake the thread (stop)
-_END = object()    # put on the results queue when the thread ends
+_WAKE = object()  # put on the inbox to wake the thread (stop)
+_END = object()  # put on the results queue when the thread ends
 
 
 class WorkerFailed(Exception):
@@ -46,9 +47,16 @@ class WorkerStopped(Exception):
 
 
 class ThreadedWorker(Generic[In, Out]):
-    def __init__(self, step: Callable[[], Out | None], *, accept: Callable[[In], None] | None = None,
-                 has_work: Callable[[], bool] | None = None, name: str = "worker",
-                 max_pending: int = 64, idle_wait: float = 0.5) -> None:
+    def __init__(
+        self,
+        step: Callable[[], Out | None],
+        *,
+        accept: Callable[[In], None] | None = None,
+        has_work: Callable[[], bool] | None = None,
+        name: str = "worker",
+        max_pending: int = 64,
+        idle_wait: float = 0.5,
+    ) -> None:
         self.name = name
         self._step = step
         self._accept = accept
@@ -225,7 +233,9 @@ async def in_passing_thread(fn: Callable[..., Out], *args: Any) -> Out:
         else:
             loop.call_soon_threadsafe(_settle, done, result, None)
 
-    thread = threading.Thread(target=run, name=f"sluice-{getattr(fn, '__name__', 'build')}", daemon=True)
+    thread = threading.Thread(
+        target=run, name=f"sluice-{getattr(fn, '__name__', 'build')}", daemon=True
+    )
     thread.start()
     result = await done
     thread.join()  # it has returned already: gone, with its thread team, before the caller goes on

@@ -10,6 +10,7 @@ Without a compiler, or if the build fails, `library()` is None, `unavailable_rea
 and the engine runs its torch path instead (`EngineConfig.kernels="auto"`); forcing
 `kernels="native"` then fails with that reason.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,9 +31,19 @@ log = logging.getLogger(__name__)
 SOURCES = ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "kv_write.c")
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
 DISABLE_ENV = "SLUICE_NATIVE_KERNELS"  # "0": never build or load them
-EXTRA_FLAGS_ENV = "SLUICE_NATIVE_CFLAGS"  # more compiler flags, e.g. "-DSLUICE_NO_BF16_DOT" (simd.h)
+EXTRA_FLAGS_ENV = (
+    "SLUICE_NATIVE_CFLAGS"  # more compiler flags, e.g. "-DSLUICE_NO_BF16_DOT" (simd.h)
+)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -100,7 +111,9 @@ def _load() -> ctypes.CDLL:
     if shutil.which(cc) is None:
         raise _Unavailable(f"no C compiler ({cc!r} not on PATH; set CC)")
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise _Unavailable(f"{cc} --version failed: {e}") from e
     here = Path(__file__).parent
@@ -108,8 +121,12 @@ def _load() -> ctypes.CDLL:
     flags = [*FLAGS, *os.environ.get(EXTRA_FLAGS_ENV, "").split()]
     key = hashlib.sha256()
     inputs = sources + [here / h for h in HEADERS]
-    for part in [*(f.read_bytes() for f in inputs), " ".join(flags).encode(), version.encode(),
-                 _cpu_signature().encode()]:
+    for part in [
+        *(f.read_bytes() for f in inputs),
+        " ".join(flags).encode(),
+        version.encode(),
+        _cpu_signature().encode(),
+    ]:
         key.update(part)
     target = _cache_dir() / f"sluice_cpu_kernels-{key.hexdigest()[:16]}.so"
     if not target.exists():
@@ -129,7 +146,9 @@ def _build(cc: str, flags: list[str], sources: list[Path], target: Path) -> None
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
     except OSError as e:
-        raise _Unavailable(f"cannot write to the kernel cache {target.parent} (set SLUICE_CACHE_DIR): {e}") from e
+        raise _Unavailable(
+            f"cannot write to the kernel cache {target.parent} (set SLUICE_CACHE_DIR): {e}"
+        ) from e
     cmd = [cc, *flags, "-o", tmp, *map(str, sources), "-lm"]
     log.info("building native CPU kernels: %s", " ".join(cmd))
     try:
@@ -147,13 +166,68 @@ def _build(cc: str, flags: list[str], sources: list[Path], target: Path) -> None
 def _declare(lib: ctypes.CDLL) -> None:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     signatures = {
-        "sluice_paged_decode": (i32, [ptr, i64, ptr, i64, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, i32, i32, i32,
-                                      i32, f32, i32, i32, i32, i32, i32]),
-        "sluice_paged_prefill": (i32, [ptr, i64, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i64, i32, i32,
-                                       i32, i32, f32, i32, i32, i32, i32]),
+        "sluice_paged_decode": (
+            i32,
+            [
+                ptr,
+                i64,
+                ptr,
+                i64,
+                ptr,
+                i32,
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                i64,
+                ptr,
+                i32,
+                i32,
+                i32,
+                i32,
+                f32,
+                i32,
+                i32,
+                i32,
+                i32,
+                i32,
+            ],
+        ),
+        "sluice_paged_prefill": (
+            i32,
+            [
+                ptr,
+                i64,
+                ptr,
+                i64,
+                ptr,
+                ptr,
+                ptr,
+                i32,
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                ptr,
+                i64,
+                i32,
+                i32,
+                i32,
+                i32,
+                f32,
+                i32,
+                i32,
+                i32,
+                i32,
+            ],
+        ),
         "sluice_write_kv_int8": (i32, [ptr, i64, i64, i32, i32, i32, ptr, ptr, ptr, i32, i32, i32]),
         "sluice_write_kv_copy": (None, [ptr, i64, i64, i32, i32, i32, ptr, ptr, i32, i32, i32]),
-        "sluice_add_rmsnorm": (None, [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32, i32]),
+        "sluice_add_rmsnorm": (
+            None,
+            [ptr, i64, ptr, i64, ptr, i64, ptr, f32, ptr, i64, i32, i32, i32, i32],
+        ),
         "sluice_silu_and_mul": (None, [ptr, i64, ptr, i64, i32, i32, i32, i32]),
         "sluice_rotary": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32, i32]),
     }

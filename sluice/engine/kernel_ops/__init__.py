@@ -11,6 +11,7 @@ implementation per family, and the resolver that picks the family for a device.
 `EngineConfig.kernels` ("auto" or a family's name) chooses. This module is the one place that
 tells the families apart by name; everything else calls the object it returns.
 """
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -45,8 +46,10 @@ def resolve_kernel_ops(choice: str, device_type: str) -> KernelOps:
         if not triton_available():
             raise fail("kernels='triton' but the triton package is not installed")
         if device_type != "cuda" and not interpreting():
-            raise fail("kernels='triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
-                       "before starting (it is slow; meant for checking the kernels, not for serving)")
+            raise fail(
+                "kernels='triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before starting (it is slow; meant for checking the kernels, not for serving)"
+            )
     if choice == "native":
         from .native_ops import NativeOps
 

@@ -11,6 +11,7 @@ A layer calls these and nothing else, so the model reads like the math whichever
 Each step the model runner asks the family to `plan` the step: it adds to the `StepPlan` what its
 attention kernels precompute, once for all layers.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
     from ..sampling_params import SamplingParams
     from ..step_plan import AttentionSpec, StepPlan
 
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin of the step's positions, as rotary() takes them
+RopeTables = tuple[
+    torch.Tensor, torch.Tensor
+]  # cos, sin of the step's positions, as rotary() takes them
 
 
 class KernelOps(ABC):
@@ -37,28 +40,40 @@ class KernelOps(ABC):
         """The step with what this family's attention needs precomputed (`step` is not changed)."""
 
     @abstractmethod
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, plan: StepPlan) -> None:
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, plan: StepPlan
+    ) -> None:
         """k, v [T, Hkv, D] of the step's new tokens into their cache slots."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-               plan: StepPlan, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        plan: StepPlan,
+        scale: float,
+    ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq, D]: decodes and prefill chunks over their cached context (this
         step's k, v [T, Hkv, D] already written)."""
 
     @abstractmethod
-    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight * rmsnorm(x + residual), x + residual); residual None: (weight * rmsnorm(x), x)."""
 
     @abstractmethod
-    def rotary_tables(self, rotary: RotaryEmbedding, positions: torch.Tensor,
-                      dtype: torch.dtype) -> RopeTables:
+    def rotary_tables(
+        self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RopeTables:
         """cos and sin of the step's positions in the form `rotary` takes (built once a step)."""
 
     @abstractmethod
-    def rotary(self, q: torch.Tensor, k: torch.Tensor,
-               tables: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, tables: RopeTables
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] and k [T, Hkv, D] rotated (in place where the family can)."""
 
     @abstractmethod
@@ -70,8 +85,12 @@ class KernelOps(ABC):
         """x @ W.T (+ bias) for a weight in any of the forms of `weights` (plain, packed, int8)."""
 
     @abstractmethod
-    def draw(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-             generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
         """One token per row from the min-p / top-k / top-p truncated softmax of `logits` (already
         penalized and divided by the temperature); a row's generator, where given, alone decides
         its draw."""

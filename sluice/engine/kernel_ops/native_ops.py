@@ -6,6 +6,7 @@ residual add, rotary and SiLU-and-multiply; torch for the matmuls and the sample
 Where the attention kernels do not serve a model's shapes (`_c_attention`), its attention takes the
 torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks the shape.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,13 +22,16 @@ from .base import RopeTables
 from .torch_ops import TorchOps, plan_sdpa_prefills, sdpa_prefills
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _c_attention(spec: AttentionSpec) -> tuple[bool, bool]:
     """(the C kernels write this cache and attend on it, the prefill kernel serves it too), by
     the kernels' own rules (`supports`) applied to empty tensors of the spec's types and shapes."""
     q = torch.empty((0, spec.num_heads, spec.head_dim), dtype=spec.dtype, device=spec.device_type)
-    cache = torch.empty((0, spec.num_kv_heads, spec.block_size, spec.head_dim),
-                        dtype=spec.cache_dtype, device=spec.device_type)
+    cache = torch.empty(
+        (0, spec.num_kv_heads, spec.block_size, spec.head_dim),
+        dtype=spec.cache_dtype,
+        device=spec.device_type,
+    )
     served = paged_decode.supports(q, cache) and kv_write.supports(q, cache)
     return served, served and paged_prefill.supports(q, cache)
 
@@ -48,8 +52,9 @@ class NativeOps(TorchOps):
         if not _c_attention(plan.attention)[0]:
             super().write_kv(k, v, cache, plan)
             return
-        kv_write.write_kv_native(k, v, cache.k, cache.v, plan.slot_mapping, cache.k_scale,
-                                 cache.v_scale)
+        kv_write.write_kv_native(
+            k, v, cache.k, cache.v, plan.slot_mapping, cache.k_scale, cache.v_scale
+        )
 
     def attend(self, q, k, v, cache: LayerKVCache, plan: StepPlan, scale: float) -> torch.Tensor:
         served, prefill_served = _c_attention(plan.attention)
@@ -59,15 +64,37 @@ class NativeOps(TorchOps):
         rows = plan.decodes
         if rows is not None:
             paged_decode.paged_decode_cpu(
-                q, out, rows.tokens, cache.k, cache.v, rows.block_tables, rows.seq_lens, scale,
-                plan.sliding_window, rows.max_seq_len, cache.k_scale, cache.v_scale)
+                q,
+                out,
+                rows.tokens,
+                cache.k,
+                cache.v,
+                rows.block_tables,
+                rows.seq_lens,
+                scale,
+                plan.sliding_window,
+                rows.max_seq_len,
+                cache.k_scale,
+                cache.v_scale,
+            )
         chunks = plan.prefills
         if not prefill_served:
             sdpa_prefills(q, k, v, cache, plan, out, scale)
         elif chunks is not None:
             paged_prefill.paged_prefill_cpu(
-                q, out, chunks.starts, chunks.q_lens, chunks.seq_lens, cache.k, cache.v,
-                chunks.block_tables, scale, plan.sliding_window, cache.k_scale, cache.v_scale)
+                q,
+                out,
+                chunks.starts,
+                chunks.q_lens,
+                chunks.seq_lens,
+                cache.k,
+                cache.v,
+                chunks.block_tables,
+                scale,
+                plan.sliding_window,
+                cache.k_scale,
+                cache.v_scale,
+            )
         return out
 
     def add_rmsnorm(self, x, residual, weight, eps):

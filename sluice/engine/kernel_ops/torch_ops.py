@@ -5,6 +5,7 @@ the HF parity tests rely on. Attention is `attention.py`'s paged path; a quantiz
 written by `kernels.kv_cache.write_kv_torch`, and the blocks a step reads are dequantized into a
 compact temporary cache (block tables renumbered to match), so the same attention code runs on it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,12 +31,16 @@ class TorchOps(KernelOps):
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
         hkv = spec.num_kv_heads
         if not spec.quantized_cache:
-            return replace(step, attention=spec,
-                           torch_attention=attention.plan_torch_attention(step, hkv))
+            return replace(
+                step, attention=spec, torch_attention=attention.plan_torch_attention(step, hkv)
+            )
         compact = compact_cache(step, None)
         planned = attention.plan_torch_attention(compact.plan, hkv, write_rows=False)
-        return replace(step, attention=spec,
-                       compact=replace(compact, plan=replace(compact.plan, torch_attention=planned)))
+        return replace(
+            step,
+            attention=spec,
+            compact=replace(compact, plan=replace(compact.plan, torch_attention=planned)),
+        )
 
     def write_kv(self, k, v, cache: LayerKVCache, plan: StepPlan) -> None:
         if not cache.quantized:
@@ -81,13 +86,16 @@ def _compact(plan: StepPlan):
     return plan.compact
 
 
-def dequantize_blocks(cache: LayerKVCache, ids: torch.Tensor,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_blocks(
+    cache: LayerKVCache, ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks `ids` of a quantized cache as a compact K, V cache of `dtype`."""
     from ..kernels.kv_cache import dequantize_torch
 
-    return (dequantize_torch(cache.k, cache.k_scale, ids, dtype),
-            dequantize_torch(cache.v, cache.v_scale, ids, dtype))
+    return (
+        dequantize_torch(cache.k, cache.k_scale, ids, dtype),
+        dequantize_torch(cache.v, cache.v_scale, ids, dtype),
+    )
 
 
 def plan_sdpa_prefills(step: StepPlan, spec: AttentionSpec) -> StepPlan:
@@ -102,11 +110,14 @@ def plan_sdpa_prefills(step: StepPlan, spec: AttentionSpec) -> StepPlan:
         return replace(step, torch_attention=planned)
     compact = compact_cache(step, chunks)
     planned = attention.plan_torch_attention(compact.plan, hkv, decodes=False, write_rows=False)
-    return replace(step, compact=replace(compact, plan=replace(compact.plan, torch_attention=planned)))
+    return replace(
+        step, compact=replace(compact, plan=replace(compact.plan, torch_attention=planned))
+    )
 
 
-def sdpa_prefills(q, k, v, cache: LayerKVCache, plan: StepPlan, out: torch.Tensor,
-                  scale: float) -> None:
+def sdpa_prefills(
+    q, k, v, cache: LayerKVCache, plan: StepPlan, out: torch.Tensor, scale: float
+) -> None:
     """The step's prefill chunks through SDPA into `out`, on a dequantized copy of their blocks
     when the cache is quantized (planned by `plan_sdpa_prefills`)."""
     if cache.quantized:

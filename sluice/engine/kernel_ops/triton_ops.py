@@ -4,6 +4,7 @@ directly), RMSNorm with the residual add, rotary, SiLU-and-multiply, the int8 ma
 sampler's draw; prefill chunks still go through SDPA (on a dequantized copy of their blocks when
 the cache is quantized). On a machine without a GPU they run in Triton's interpreter.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -38,8 +39,15 @@ class TritonOps(TorchOps):
         rows = plan.decodes
         if rows is not None:
             o = paged_decode_attention_triton(
-                q.index_select(0, rows.tokens), cache.k, cache.v, rows.block_tables, rows.seq_lens,
-                scale, cache.k_scale, cache.v_scale, plan.sliding_window,
+                q.index_select(0, rows.tokens),
+                cache.k,
+                cache.v,
+                rows.block_tables,
+                rows.seq_lens,
+                scale,
+                cache.k_scale,
+                cache.v_scale,
+                plan.sliding_window,
                 max_seq_len=rows.max_seq_len,
             )
             out.index_copy_(0, rows.tokens, o)
@@ -83,8 +91,9 @@ class TritonOps(TorchOps):
         seeds = torch.randint(0, 2**62, (n,), dtype=torch.int64, device=device)
         for i, g in enumerate(generators):
             if g is not None:
-                seeds[i] = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device,
-                                         generator=g)[0]
+                seeds[i] = torch.randint(
+                    0, 2**62, (1,), dtype=torch.int64, device=device, generator=g
+                )[0]
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device).reshape(n)

@@ -8,9 +8,11 @@ must be set before these modules are imported): that is how the tests check them
 
 Modules are imported lazily: importing the engine does not import Triton.
 """
+
 from __future__ import annotations
 
 import os
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (set before the first kernel import)."""

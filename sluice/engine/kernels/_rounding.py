@@ -4,6 +4,7 @@ Triton's CPU interpreter truncates float32 -> bfloat16 casts where the compiled 
 nearest even. Rounding on the bits first leaves a value the cast keeps exactly on both, so the
 kernels match torch bit for bit in the tests and in production alike.
 """
+
 import triton
 import triton.language as tl
 

@@ -5,6 +5,7 @@ matmul output); the result [T, I] is silu(x[:, :I]) * x[:, I:], computed in floa
 to x's dtype (two roundings, as separate torch ops in bfloat16 would do, lose a little accuracy for
 nothing). `out` (keyword-only, optional) is a preallocated [T, I] buffer to write into.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,10 +19,16 @@ BLOCK_COLS = 1024  # columns per program: SmolLM2's I=1536 gives two programs pe
 
 def _check(x: torch.Tensor, out: torch.Tensor | None) -> int:
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, 2*I] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"x must be [T, 2*I] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}"
+        )
     inter = x.shape[1] // 2
-    if out is not None and (out.shape != (x.shape[0], inter) or out.dtype != x.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must be [{x.shape[0]}, {inter}] {x.dtype} with a contiguous last dim")
+    if out is not None and (
+        out.shape != (x.shape[0], inter) or out.dtype != x.dtype or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"out must be [{x.shape[0]}, {inter}] {x.dtype} with a contiguous last dim"
+        )
     return inter
 
 
@@ -58,6 +65,7 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
         return out
     block = min(triton.next_power_of_2(inter), BLOCK_COLS)
     grid = (T, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block,
-                               num_warps=4 if block >= 512 else 2)
+    _silu_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4 if block >= 512 else 2
+    )
     return out

@@ -19,6 +19,7 @@ bound by exactly that.
   once to x's dtype. Small batches (decode) that give too few output tiles to fill the GPU split K
   over several programs and add the float32 partial sums in a second, deterministic kernel.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,7 +47,9 @@ _CHUNK_ELEMS = 1 << 20  # weights above this many elements are converted in slic
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 codes and float32 scales of a [N, K] float weight."""
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"weight must be a 2-D float tensor [N, K], got {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(
+            f"weight must be a 2-D float tensor [N, K], got {tuple(weight.shape)} {weight.dtype}"
+        )
     w = weight.to(torch.float32)
     if w.shape[1] == 0:
         scale = torch.full((w.shape[0],), SCALE_FLOOR, dtype=torch.float32, device=w.device)
@@ -61,7 +64,9 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if qweight.dim() != 2 or qweight.dtype != torch.int8:
@@ -83,7 +88,9 @@ def _pack_mm_ok(x2: torch.Tensor, scale: torch.Tensor) -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
-def _epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _epilogue(
+    out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
     """out * scale + bias in float32, rounded once to `dtype`."""
     if out.dtype != torch.float32:
         out = out.float()  # torch's CPU addcmul and mixed-dtype mul on bfloat16 are scalar loops
@@ -91,8 +98,9 @@ def _epilogue(out: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     return out.to(dtype)
 
 
-def _mm_on_codes(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def _mm_on_codes(
+    x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x2 @ codes.T with the codes converted to x's dtype, then the per-channel scale on the output.
 
     Integers up to 127 are exact in every float dtype, so the matmul sees the exact codes, and the
@@ -120,8 +128,9 @@ def _mm_on_codes(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return _epilogue(out, scale, bias, dtype)
 
 
-def int8_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_torch(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Reference and CPU path: x @ (qweight * scale).T + bias in x's dtype."""
     _check(x, qweight, scale, bias)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -129,7 +138,8 @@ def int8_linear_torch(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     if _pack_mm_ok(x2, scale):
         # The op takes the scale in x's dtype: for bfloat16 a 2^-9 relative rounding per channel.
         out = torch.ops.aten._weight_int8pack_mm(
-            x2.contiguous(), qweight.contiguous(), scale.to(x.dtype).contiguous())
+            x2.contiguous(), qweight.contiguous(), scale.to(x.dtype).contiguous()
+        )
         if bias is not None:
             out = out.add_(bias)
     else:
@@ -154,7 +164,7 @@ class GemmConfig:
     num_stages: int = 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -178,8 +188,15 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
         want = min(triton.cdiv(sms, tiles), k_blocks, 16)
         per = triton.cdiv(k_blocks, want)
         split = triton.cdiv(k_blocks, per)  # no empty slices
-        cfg = GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, split_k=split,
-                         group_m=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        cfg = GemmConfig(
+            cfg.block_m,
+            cfg.block_n,
+            cfg.block_k,
+            split_k=split,
+            group_m=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return cfg
 
 
@@ -188,12 +205,30 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 @triton.jit
 def _int8_gemm_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
     K_PER_SPLIT,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """out[M, N] = x[M, K] @ (w[N, K] int8).T * scale[N] + bias[N], or float32 partials per K slice."""
     pid = tl.program_id(0)
@@ -222,9 +257,13 @@ def _int8_gemm_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
         mask_k = ks < k_hi
-        a = tl.load(x_rows + ks[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(
+            x_rows + ks[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0
+        )
         # weight tile as [BLOCK_K, BLOCK_N] (K is the contiguous dim of w): int8 -> activation dtype
-        b = tl.load(w_cols + ks[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0)
+        b = tl.load(
+            w_cols + ks[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0
+        )
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision=PRECISION)
 
     if SPLIT_K == 1:
@@ -241,8 +280,18 @@ def _int8_gemm_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ws_ptr,
+    scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    stride_on,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """out = sum over the SPLIT_K float32 partials [SPLIT_K, M, N], then scale, bias and rounding."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -271,8 +320,15 @@ def _dot_dtype_and_precision(dtype: torch.dtype):
     return _TL_DTYPES[dtype], None  # Triton's default: precision only concerns float32 inputs
 
 
-def _int8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 out: torch.Tensor, cfg: GemmConfig, workspace: torch.Tensor | None = None) -> torch.Tensor:
+def _int8_matmul(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: GemmConfig,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Launch the GEMM (and the split-K reduction) into `out` [M, N]; x2 [M, K] may be strided."""
     m, k = x2.shape
     n = qweight.shape[0]
@@ -287,25 +343,56 @@ def _int8_matmul(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, b
     bias_arg = bias if has_bias else scale  # any valid pointer; never read without HAS_BIAS
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     _int8_gemm_kernel[grid](
-        x2, qweight, scale, bias_arg, out, workspace if workspace is not None else out,
-        m, n, k,
-        x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), out.stride(0), out.stride(1),
+        x2,
+        qweight,
+        scale,
+        bias_arg,
+        out,
+        workspace if workspace is not None else out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        x2.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        out.stride(0),
+        out.stride(1),
         k_per_split,
-        HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HAS_BIAS=has_bias,
+        SPLIT_K=cfg.split_k,
+        DOT_DTYPE=dot_dtype,
+        PRECISION=precision,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
         bm, bn = 16, 128
         _split_k_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            workspace, scale, bias_arg, out, m, n, out.stride(0), out.stride(1),
-            HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+            workspace,
+            scale,
+            bias_arg,
+            out,
+            m,
+            n,
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=has_bias,
+            SPLIT_K=cfg.split_k,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            num_warps=4,
         )
     return out
 
 
-def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear_triton(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Triton GEMM: x @ (qweight * scale).T + bias in x's dtype, float32 accumulation."""
     _check(x, qweight, scale, bias)
     lead, k = x.shape[:-1], x.shape[-1]
@@ -315,5 +402,7 @@ def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     bias = bias.contiguous() if bias is not None else None
     out = _empty((x2.shape[0], n), x.dtype, x.device)
     if out.numel():
-        _int8_matmul(x2, qweight, scale, bias, out, pick_config(x2.shape[0], n, k, x.dtype, x.device))
+        _int8_matmul(
+            x2, qweight, scale, bias, out, pick_config(x2.shape[0], n, k, x.dtype, x.device)
+        )
     return out.reshape(*lead, n)

@@ -34,13 +34,16 @@ Triton path relies on the last point: it plans in the kernel, without a host syn
 first token of each block's run do that block's work (one program per (token, head); the others
 exit), so there is no race on a block's scale.
 """
+
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-SCALE_FLOOR = 1e-8  # far below real K/V magnitudes: a block whose absmax is 1e-6 still gets ~100 int8 steps
+SCALE_FLOOR = (
+    1e-8  # far below real K/V magnitudes: a block whose absmax is 1e-6 still gets ~100 int8 steps
+)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
@@ -49,7 +52,9 @@ def kv_qmax(cache_dtype: torch.dtype) -> float:
     try:
         return _QMAX[cache_dtype]
     except KeyError:
-        raise ValueError(f"{cache_dtype} is not a quantized KV cache dtype; use one of {list(_QMAX)}") from None
+        raise ValueError(
+            f"{cache_dtype} is not a quantized KV cache dtype; use one of {list(_QMAX)}"
+        ) from None
 
 
 def is_quantized(cache_dtype: torch.dtype) -> bool:
@@ -63,26 +68,42 @@ def _raw(cache: torch.Tensor) -> torch.Tensor:
 
 def _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
     if k.dim() != 3 or v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"k and v must be [T, Hkv, D] with a contiguous last dim, "
-                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must be [T, Hkv, D] with a contiguous last dim, "
+            f"got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     T, H, D = k.shape
-    if (k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
-            or k_cache.shape[1] != H or k_cache.shape[3] != D
-            or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
-        raise ValueError(f"caches must be [num_blocks, {H}, block_size, {D}] alike with a contiguous last dim, "
-                         f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if (
+        k_cache.dim() != 4
+        or v_cache.shape != k_cache.shape
+        or v_cache.dtype != k_cache.dtype
+        or k_cache.shape[1] != H
+        or k_cache.shape[3] != D
+        or k_cache.stride(-1) != 1
+        or v_cache.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"caches must be [num_blocks, {H}, block_size, {D}] alike with a contiguous last dim, "
+            f"got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     if slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be [{T}] int32/int64, "
-                         f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}")
+        raise ValueError(
+            f"slot_mapping must be [{T}] int32/int64, "
+            f"got {tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
     if not is_quantized(k_cache.dtype):
         if k_cache.dtype != k.dtype or v.dtype != k.dtype:
-            raise ValueError(f"an unquantized cache must have the dtype of k and v: {k_cache.dtype} vs {k.dtype}")
+            raise ValueError(
+                f"an unquantized cache must have the dtype of k and v: {k_cache.dtype} vs {k.dtype}"
+            )
         if k_scale is not None or v_scale is not None:
             raise ValueError("scales given for an unquantized cache")
         return False
     for s in (k_scale, v_scale):
         if s is None or s.shape != k_cache.shape[:2] or s.dtype != torch.float32:
-            raise ValueError(f"a {k_cache.dtype} cache needs float32 scales of shape {tuple(k_cache.shape[:2])}")
+            raise ValueError(
+                f"a {k_cache.dtype} cache needs float32 scales of shape {tuple(k_cache.shape[:2])}"
+            )
     return True
 
 
@@ -155,8 +176,9 @@ def write_kv_torch(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
     _write_quantized_torch(v, v_cache, v_scale, tok, blk, off, blocks, inv, first)
 
 
-def dequantize_torch(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
+def dequantize_torch(
+    cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Blocks `block_ids` of a cache as `dtype` values: [len(block_ids), Hkv, block_size, D].
     With `scale` None the cache is unquantized and the blocks are just cast."""
     if scale is None:
@@ -171,10 +193,26 @@ def dequantize_torch(cache: torch.Tensor, scale: torch.Tensor | None, block_ids:
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, H, D,
-    k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
-    kc_blk_stride, kc_head_stride, kc_row_stride, vc_blk_stride, vc_head_stride, vc_row_stride,
-    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    H,
+    D,
+    k_tok_stride,
+    k_head_stride,
+    v_tok_stride,
+    v_head_stride,
+    kc_blk_stride,
+    kc_head_stride,
+    kc_row_stride,
+    vc_blk_stride,
+    vc_head_stride,
+    vc_row_stride,
+    BS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Plain copy: program (token, head block) moves a [BLOCK_H, D] tile of k and of v."""
     t = tl.program_id(0).to(tl.int64)
@@ -187,9 +225,17 @@ def _write_kv_kernel(
     hh = heads[:, None].to(tl.int64)
     if slot >= 0:
         kv = tl.load(k_ptr + t * k_tok_stride + hh * k_head_stride + d[None, :], mask=mask)
-        tl.store(kc_ptr + blk * kc_blk_stride + hh * kc_head_stride + off * kc_row_stride + d[None, :], kv, mask=mask)
+        tl.store(
+            kc_ptr + blk * kc_blk_stride + hh * kc_head_stride + off * kc_row_stride + d[None, :],
+            kv,
+            mask=mask,
+        )
         vv = tl.load(v_ptr + t * v_tok_stride + hh * v_head_stride + d[None, :], mask=mask)
-        tl.store(vc_ptr + blk * vc_blk_stride + hh * vc_head_stride + off * vc_row_stride + d[None, :], vv, mask=mask)
+        tl.store(
+            vc_ptr + blk * vc_blk_stride + hh * vc_head_stride + off * vc_row_stride + d[None, :],
+            vv,
+            mask=mask,
+        )
 
 
 @triton.jit
@@ -238,10 +284,28 @@ def _decode(q, IS_FP8: tl.constexpr):
 
 @triton.jit
 def _quantize_block_head(
-    x_ptr, x_tok_stride, x_head_stride, c_ptr, c_blk_stride, c_head_stride, c_row_stride,
-    s_ptr, s_blk_stride, slot_ptr, i, h, blk, T, D,
-    BS: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, IS_FP8: tl.constexpr,
-    BLOCK_T: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    x_tok_stride,
+    x_head_stride,
+    c_ptr,
+    c_blk_stride,
+    c_head_stride,
+    c_row_stride,
+    s_ptr,
+    s_blk_stride,
+    slot_ptr,
+    i,
+    h,
+    blk,
+    T,
+    D,
+    BS: tl.constexpr,
+    QMAX: tl.constexpr,
+    FLOOR: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """All of one step's work on (block `blk`, head `h`) of one cache, whose first token is `i`."""
     d = tl.arange(0, BLOCK_D)
@@ -257,8 +321,11 @@ def _quantize_block_head(
         sl = tl.load(slot_ptr + tok, mask=tok < T, other=-1).to(tl.int64)
         member = (sl >= 0) & (sl // BS == blk)
         first_r = tl.minimum(first_r, tl.where(member, sl % BS, BS))
-        vals = tl.load(x_head + tok[:, None] * x_tok_stride + d[None, :],
-                       mask=member[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+        vals = tl.load(
+            x_head + tok[:, None] * x_tok_stride + d[None, :],
+            mask=member[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(vals), axis=1))
     first = tl.min(first_r, axis=0)
     s_addr = s_ptr + blk * s_blk_stride + h
@@ -280,7 +347,9 @@ def _quantize_block_head(
         sl = tl.load(slot_ptr + tok, mask=tok < T, other=-1).to(tl.int64)
         member = (sl >= 0) & (sl // BS == blk)
         m = member[:, None] & dmask[None, :]
-        vals = tl.load(x_head + tok[:, None] * x_tok_stride + d[None, :], mask=m, other=0.0).to(tl.float32)
+        vals = tl.load(x_head + tok[:, None] * x_tok_stride + d[None, :], mask=m, other=0.0).to(
+            tl.float32
+        )
         q = _encode(tl.math.div_rn(vals, tl.zeros_like(vals) + s), IS_FP8)
         tl.store(c_head + (sl % BS)[:, None] * c_row_stride + d[None, :], q, mask=m)
     tl.store(s_addr, s)
@@ -288,12 +357,34 @@ def _quantize_block_head(
 
 @triton.jit
 def _write_kv_quant_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, slot_ptr, T, D,
-    k_tok_stride, k_head_stride, v_tok_stride, v_head_stride,
-    kc_blk_stride, kc_head_stride, kc_row_stride, vc_blk_stride, vc_head_stride, vc_row_stride,
-    ks_blk_stride, vs_blk_stride,
-    BS: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, IS_FP8: tl.constexpr,
-    BLOCK_T: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    slot_ptr,
+    T,
+    D,
+    k_tok_stride,
+    k_head_stride,
+    v_tok_stride,
+    v_head_stride,
+    kc_blk_stride,
+    kc_head_stride,
+    kc_row_stride,
+    vc_blk_stride,
+    vc_head_stride,
+    vc_row_stride,
+    ks_blk_stride,
+    vs_blk_stride,
+    BS: tl.constexpr,
+    QMAX: tl.constexpr,
+    FLOOR: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (token i, head h) does (block of i, h) for k and v if i is that block's first token
     this step, i.e. no token of the same block comes within BLOCK_T entries before it."""
@@ -305,12 +396,54 @@ def _write_kv_quant_kernel(
     prev = tl.load(slot_ptr + back, mask=back >= 0, other=-1).to(tl.int64)
     seen = tl.max(((prev >= 0) & (prev // BS == blk)).to(tl.int32), axis=0)
     if (slot >= 0) & (seen == 0):
-        _quantize_block_head(k_ptr, k_tok_stride, k_head_stride, kc_ptr, kc_blk_stride, kc_head_stride,
-                             kc_row_stride, ks_ptr, ks_blk_stride, slot_ptr, i, h, blk, T, D,
-                             BS, QMAX, FLOOR, IS_FP8, BLOCK_T, ROWS, BLOCK_D)
-        _quantize_block_head(v_ptr, v_tok_stride, v_head_stride, vc_ptr, vc_blk_stride, vc_head_stride,
-                             vc_row_stride, vs_ptr, vs_blk_stride, slot_ptr, i, h, blk, T, D,
-                             BS, QMAX, FLOOR, IS_FP8, BLOCK_T, ROWS, BLOCK_D)
+        _quantize_block_head(
+            k_ptr,
+            k_tok_stride,
+            k_head_stride,
+            kc_ptr,
+            kc_blk_stride,
+            kc_head_stride,
+            kc_row_stride,
+            ks_ptr,
+            ks_blk_stride,
+            slot_ptr,
+            i,
+            h,
+            blk,
+            T,
+            D,
+            BS,
+            QMAX,
+            FLOOR,
+            IS_FP8,
+            BLOCK_T,
+            ROWS,
+            BLOCK_D,
+        )
+        _quantize_block_head(
+            v_ptr,
+            v_tok_stride,
+            v_head_stride,
+            vc_ptr,
+            vc_blk_stride,
+            vc_head_stride,
+            vc_row_stride,
+            vs_ptr,
+            vs_blk_stride,
+            slot_ptr,
+            i,
+            h,
+            blk,
+            T,
+            D,
+            BS,
+            QMAX,
+            FLOOR,
+            IS_FP8,
+            BLOCK_T,
+            ROWS,
+            BLOCK_D,
+        )
 
 
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -326,10 +459,23 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=
     if not quantized:
         block_h = min(triton.next_power_of_2(H), max(1, 4096 // block_d))
         _write_kv_kernel[(T, triton.cdiv(H, block_h))](
-            k, v, k_cache, v_cache, slot_mapping, H, D,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            *k_cache.stride()[:3], *v_cache.stride()[:3],
-            BS=bs, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            H,
+            D,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            *k_cache.stride()[:3],
+            *v_cache.stride()[:3],
+            BS=bs,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
         )
         return
     for s in (k_scale, v_scale):
@@ -339,11 +485,29 @@ def write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=
     block_t = triton.next_power_of_2(bs)
     rows = min(block_t, max(1, 4096 // block_d))
     _write_kv_quant_kernel[(T, H)](
-        k, v, kc, vc, k_scale, v_scale, slot_mapping, T, D,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *kc.stride()[:3], *vc.stride()[:3],
-        k_scale.stride(0), v_scale.stride(0),
-        BS=bs, QMAX=kv_qmax(k_cache.dtype), FLOOR=SCALE_FLOOR,
+        k,
+        v,
+        kc,
+        vc,
+        k_scale,
+        v_scale,
+        slot_mapping,
+        T,
+        D,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *kc.stride()[:3],
+        *vc.stride()[:3],
+        k_scale.stride(0),
+        v_scale.stride(0),
+        BS=bs,
+        QMAX=kv_qmax(k_cache.dtype),
+        FLOOR=SCALE_FLOOR,
         IS_FP8=k_cache.dtype == torch.float8_e4m3fn,
-        BLOCK_T=block_t, ROWS=rows, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_T=block_t,
+        ROWS=rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )

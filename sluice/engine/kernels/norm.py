@@ -10,6 +10,7 @@ happening before the multiply by the weight, exactly as `sluice.engine.model.RMS
 memory across steps; `residual_out` may be `residual` itself (in place). It is ignored when `residual`
 is None.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,10 +54,20 @@ def add_rmsnorm_torch(
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    x_stride, res_stride, out_stride, res_out_stride,
-    H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    x_stride,
+    res_stride,
+    out_stride,
+    res_out_stride,
+    H,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
@@ -114,7 +125,9 @@ def add_rmsnorm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path, one program per row; same signature and results as `add_rmsnorm_torch`."""
     if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}"
+        )
     T, H = x.shape
     if weight.shape != (H,) or not weight.is_contiguous():
         raise ValueError(f"weight must be a contiguous [{H}], got {tuple(weight.shape)}")
@@ -138,9 +151,20 @@ def add_rmsnorm_triton(
     num_chunks = triton.cdiv(H, block)
     num_warps = min(max(block // 256, 1), 16)
     _add_rmsnorm_kernel[(T,)](
-        x, res_arg, weight, out, res_out,
-        x.stride(0), res_arg.stride(0), out.stride(0), res_out.stride(0),
-        H, float(eps),
-        HAS_RESIDUAL=has_res, BLOCK=block, NUM_CHUNKS=num_chunks, num_warps=num_warps,
+        x,
+        res_arg,
+        weight,
+        out,
+        res_out,
+        x.stride(0),
+        res_arg.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        H,
+        float(eps),
+        HAS_RESIDUAL=has_res,
+        BLOCK=block,
+        NUM_CHUNKS=num_chunks,
+        num_warps=num_warps,
     )
     return out, (res_out if has_res else x)

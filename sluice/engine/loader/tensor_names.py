@@ -4,6 +4,7 @@ Every loader (HF safetensors, GGUF) produces HF-named tensors; `check_tensors` s
 a missing or misshapen one, and `model_weights` fuses and casts them into `model.ModelWeights`
 (q/k/v into one matrix, gate/up into another).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source: str,
-                  origin: dict[str, str] | None = None) -> None:
+def check_tensors(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    source: str,
+    origin: dict[str, str] | None = None,
+) -> None:
     """Raise EngineError naming the file and tensor when one is missing or has the wrong shape.
 
     origin maps a tensor name to the file it was read from (default: `source`)."""
@@ -57,8 +62,9 @@ def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source:
     for name, shape in expected_shapes(config).items():
         t = tensors.get(name)
         if t is None:
-            raise ModelError(f"{source}: missing tensor {name!r} (expected shape {list(shape)})",
-                             field=name)
+            raise ModelError(
+                f"{source}: missing tensor {name!r} (expected shape {list(shape)})", field=name
+            )
         if tuple(t.shape) != shape:
             raise ModelError(
                 f"{origin.get(name, source)}: tensor {name!r} has shape {list(t.shape)}, "
@@ -67,8 +73,12 @@ def check_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor], source:
             )
 
 
-def model_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                  device: torch.device | str) -> ModelWeights:
+def model_weights(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> ModelWeights:
     """The model's weights from checked HF-named tensors, cast and moved (the dict is unchanged)."""
 
     def get(name: str) -> torch.Tensor:
@@ -84,16 +94,22 @@ def model_weights(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: 
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-        layers.append(LayerWeights(
-            input_norm=get(p + "input_layernorm.weight"),
-            post_attention_norm=get(p + "post_attention_layernorm.weight"),
-            qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-            qkv_bias=qkv_bias,
-            o=get(a + "o_proj.weight"),
-            o_bias=get(a + "o_proj.bias") if config.o_proj_bias else None,
-            gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=get(p + "mlp.down_proj.weight"),
-        ))
+        layers.append(
+            LayerWeights(
+                input_norm=get(p + "input_layernorm.weight"),
+                post_attention_norm=get(p + "post_attention_layernorm.weight"),
+                qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_bias=qkv_bias,
+                o=get(a + "o_proj.weight"),
+                o_bias=get(a + "o_proj.bias") if config.o_proj_bias else None,
+                gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=get(p + "mlp.down_proj.weight"),
+            )
+        )
     lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
-    return ModelWeights(embed=get("model.embed_tokens.weight"), norm=get("model.norm.weight"),
-                        lm_head=lm_head, layers=layers)
+    return ModelWeights(
+        embed=get("model.embed_tokens.weight"),
+        norm=get("model.norm.weight"),
+        lm_head=lm_head,
+        layers=layers,
+    )

@@ -1,4 +1,5 @@
 """Rounding units per dtype and the kernel-vs-reference check shared by the elementwise kernels."""
+
 import torch
 
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff

@@ -1,12 +1,12 @@
 """silu_and_mul: Triton kernel vs torch reference vs float64 (interpreter on the CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from _tolerances import U, assert_kernel_matches
 
 from sluice.engine.kernels import activation
-
-from _tolerances import U, assert_kernel_matches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -40,7 +40,7 @@ def test_every_output_element_written_strided_input(dtype):
     """Into a NaN-filled preallocated output, from x whose rows are strided (a view of a wider matrix)."""
     T, inter = 6, 1536
     wide = _input(T, inter + 64, dtype, seed=11)
-    x = wide[:, 32:32 + 2 * inter]
+    x = wide[:, 32 : 32 + 2 * inter]
     assert not x.is_contiguous()
     ref = activation.silu_and_mul_torch(x.contiguous())
     for fn in (activation.silu_and_mul_torch, activation.silu_and_mul_triton):
@@ -54,7 +54,7 @@ def test_output_slice_is_the_only_thing_written():
     T, inter = 3, 100
     x = _input(T, inter, torch.float32, seed=12)
     buf = torch.full((T, inter + 20), float("nan"), device=DEVICE)
-    out = buf[:, 10:10 + inter]
+    out = buf[:, 10 : 10 + inter]
     activation.silu_and_mul_triton(x, out=out)
     assert_kernel_matches(out, activation.silu_and_mul_torch(x), torch.float32)
-    assert buf[:, :10].isnan().all() and buf[:, 10 + inter:].isnan().all()
+    assert buf[:, :10].isnan().all() and buf[:, 10 + inter :].isnan().all()

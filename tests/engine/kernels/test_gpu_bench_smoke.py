@@ -5,6 +5,7 @@ Runs the script in a subprocess (it sets TRITON_INTERPRET itself and must start 
 its JSON. A second run points it at a deliberately broken kernel package to show that its checks
 fail wrong kernels, and that a lost CUDA context (simulated) hands the rest to a child process.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,13 +21,21 @@ KERNELS = ROOT / "sluice" / "engine" / "kernels"
 UNITS = ("norm", "activation", "rotary", "kv_cache", "paged_attention", "sampling", "int8_linear")
 
 
-def run_bench(args: list[str], tmp_path: Path, extra_path: Path | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+def run_bench(
+    args: list[str], tmp_path: Path, extra_path: Path | None = None
+) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "gpu.json"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out), "--seed", "1234", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out), "--seed", "1234", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.exists(), f"no JSON written; stderr:\n{proc.stderr[-4000:]}"
     return proc, json.loads(out.read_text())
 
@@ -34,7 +43,9 @@ def run_bench(args: list[str], tmp_path: Path, extra_path: Path | None = None) -
 def test_smoke_runs_every_section(tmp_path):
     proc, report = run_bench([], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "kernel cases:" in proc.stdout and "engine decode" in proc.stdout  # the table, printed last
+    assert (
+        "kernel cases:" in proc.stdout and "engine decode" in proc.stdout
+    )  # the table, printed last
     assert report["device"]["smoke"] is True
     assert report["bandwidth"]["copy_gbs"] > 0
 
@@ -92,8 +103,18 @@ def test_checks_catch_broken_kernels_and_a_lost_context(tmp_path):
     (pkg / "__init__.py").write_text("")
     for name, src in BROKEN.items():
         (pkg / name).write_text(textwrap.dedent(src))
-    proc, report = run_bench(["--sections", "norm,activation", "--kernel-package", "broken_kernels",
-                              "--simulate-context-loss", "norm#0"], tmp_path, extra_path=tmp_path / "pkgs")
+    proc, report = run_bench(
+        [
+            "--sections",
+            "norm,activation",
+            "--kernel-package",
+            "broken_kernels",
+            "--simulate-context-loss",
+            "norm#0",
+        ],
+        tmp_path,
+        extra_path=tmp_path / "pkgs",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = report["kernels"]
     by_unit = {u: [r for r in rows if r["unit"] == u] for u in ("norm", "activation")}

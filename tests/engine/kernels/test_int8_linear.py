@@ -6,14 +6,14 @@ second term covers float32 accumulation over K and, on the CPU paths for 16-bit 
 rounded to x's dtype). Outputs and workspaces are allocated NaN-filled, so an element the kernel
 never writes fails the check.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from _tolerances import U
 
 from sluice.engine.kernels import int8_linear as il
-
-from _tolerances import U
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -38,14 +38,18 @@ def cpu_path(request, monkeypatch):
     rows = 10**9 if request.param == "pack" else 0
     monkeypatch.setattr(il, "_PACK_MAX_ROWS", dict.fromkeys(il._PACK_MAX_ROWS, rows))
     if request.param == "mm_chunked":
-        monkeypatch.setattr(il, "_CHUNK_ELEMS", 700)  # K=96: 7 rows a slice, N=80 ends on a partial one
+        monkeypatch.setattr(
+            il, "_CHUNK_ELEMS", 700
+        )  # K=96: 7 rows a slice, N=80 ends on a partial one
     return request.param
 
 
 def _weight(n, k, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
-    w *= torch.logspace(-1, 1, n)[torch.randperm(n, generator=g)][:, None]  # rows 100x apart in size
+    w *= torch.logspace(-1, 1, n)[torch.randperm(n, generator=g)][
+        :, None
+    ]  # rows 100x apart in size
     return w.to(dtype).to(DEVICE)
 
 
@@ -72,8 +76,10 @@ def _assert_matches(got, x, q, s, b, *, rel_out, rel_mag):
     assert not got.isnan().any(), f"{int(got.isnan().sum())} output elements never written"
     err = (got.double() - ref).abs()
     bad = err > rel_out * ref.abs() + rel_mag * mag
-    assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} elements off; worst error {err.max().item():.3g} "
-                           f"(|ref| there {ref.abs().flatten()[err.argmax()].item():.3g})")
+    assert not bad.any(), (
+        f"{int(bad.sum())}/{bad.numel()} elements off; worst error {err.max().item():.3g} "
+        f"(|ref| there {ref.abs().flatten()[err.argmax()].item():.3g})"
+    )
 
 
 def _bounds(dtype, k, *, torch_path):
@@ -83,7 +89,9 @@ def _bounds(dtype, k, *, torch_path):
     if not torch_path:  # one rounding of the float32 result (the interpreter truncates: 2u)
         return dict(rel_out=2 * U[dtype], rel_mag=acc)
     # the fused op rounds the scale to x's dtype; the matmul paths round before the scale
-    slack = 2 * U[dtype] if DEVICE == "cuda" else 0.0  # cuBLAS may reduce 16-bit partials in 16 bits
+    slack = (
+        2 * U[dtype] if DEVICE == "cuda" else 0.0
+    )  # cuBLAS may reduce 16-bit partials in 16 bits
     return dict(rel_out=3 * U[dtype], rel_mag=acc + U[dtype] + slack)
 
 
@@ -134,18 +142,24 @@ def test_torch_path_matches_float64(cpu_path, m, dtype, bias):
     k = 96
     q, s, b = _layer(80, k, seed=m, bias=bias)
     x = _x(m, k, dtype, seed=100 + m)
-    _assert_matches(il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(dtype, k, torch_path=True))
+    _assert_matches(
+        il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(dtype, k, torch_path=True)
+    )
 
 
 def test_torch_path_strided_and_batched_input(cpu_path):
     k = 96
     q, s, b = _layer(80, k, seed=3, bias=True)
     wide = _x(6, k + 10, torch.bfloat16, seed=4)
-    x = wide[:, 5:5 + k]
+    x = wide[:, 5 : 5 + k]
     assert not x.is_contiguous()
-    _assert_matches(il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(torch.bfloat16, k, torch_path=True))
+    _assert_matches(
+        il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(torch.bfloat16, k, torch_path=True)
+    )
     x3 = _x(6, k, torch.float32, seed=5).reshape(2, 3, k)
-    _assert_matches(il.int8_linear_torch(x3, q, s, b), x3, q, s, b, **_bounds(torch.float32, k, torch_path=True))
+    _assert_matches(
+        il.int8_linear_torch(x3, q, s, b), x3, q, s, b, **_bounds(torch.float32, k, torch_path=True)
+    )
 
 
 def test_float16_tiny_scales_stay_accurate(monkeypatch):
@@ -155,7 +169,9 @@ def test_float16_tiny_scales_stay_accurate(monkeypatch):
     q, s = il.quantize_int8(_weight(80, k, seed=6) * 1e-3)
     assert s.min().item() < 2.0**-14
     x = _x(4, k, torch.float16, seed=7) * 100
-    _assert_matches(il.int8_linear_torch(x, q, s), x, q, s, None, **_bounds(torch.float16, k, torch_path=True))
+    _assert_matches(
+        il.int8_linear_torch(x, q, s), x, q, s, None, **_bounds(torch.float16, k, torch_path=True)
+    )
 
 
 def test_float16_large_activations_do_not_overflow(cpu_path):
@@ -164,9 +180,18 @@ def test_float16_large_activations_do_not_overflow(cpu_path):
     q, s, b = _layer(80, k, seed=20, bias=True)
     x = _x(5, k, torch.float16, seed=21) * 300
     assert (x.double() @ q.double().T).abs().max() > 65504
-    _assert_matches(il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(torch.float16, k, torch_path=True))
+    _assert_matches(
+        il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(torch.float16, k, torch_path=True)
+    )
     if cpu_path == "pack":  # the kernel once: it has a single path
-        _assert_matches(il.int8_linear_triton(x, q, s, b), x, q, s, b, **_bounds(torch.float16, k, torch_path=False))
+        _assert_matches(
+            il.int8_linear_triton(x, q, s, b),
+            x,
+            q,
+            s,
+            b,
+            **_bounds(torch.float16, k, torch_path=False),
+        )
 
 
 def test_default_dispatch_and_empty_shapes():
@@ -175,7 +200,9 @@ def test_default_dispatch_and_empty_shapes():
         for dtype in DTYPES:
             q, s, b = _layer(80, 96, seed=m, bias=True)
             x = _x(m, 96, dtype, seed=m)
-            _assert_matches(il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(dtype, 96, torch_path=True))
+            _assert_matches(
+                il.int8_linear_torch(x, q, s, b), x, q, s, b, **_bounds(dtype, 96, torch_path=True)
+            )
     q, s, b = _layer(80, 96, seed=8, bias=True)
     for fn in (il.int8_linear_torch, il.int8_linear_triton):
         assert fn(_x(0, 96, torch.float32, seed=9), q, s, b).shape == (0, 80)
@@ -204,7 +231,9 @@ def test_rejects_mismatched_arguments():
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(1, 80, 96), (1, 80, 300), (5, 80, 96), (33, 80, 96), (70, 130, 100)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 80, 96), (1, 80, 300), (5, 80, 96), (33, 80, 96), (70, 130, 100)]
+)
 def test_triton_matches_float64(m, n, k, dtype, bias):
     """Decode (split-K for m=1, k=300 and m=33), single-pass and prefill tile configs."""
     q, s, b = _layer(n, k, seed=m * 31 + k, bias=bias)
@@ -218,10 +247,24 @@ def test_triton_strided_and_batched_input():
     k = 100
     q, s, b = _layer(70, k, seed=12, bias=True)
     wide = _x(9, k + 20, torch.bfloat16, seed=13)
-    x = wide[:, 7:7 + k]
-    _assert_matches(il.int8_linear_triton(x, q, s, b), x, q, s, b, **_bounds(torch.bfloat16, k, torch_path=False))
+    x = wide[:, 7 : 7 + k]
+    _assert_matches(
+        il.int8_linear_triton(x, q, s, b),
+        x,
+        q,
+        s,
+        b,
+        **_bounds(torch.bfloat16, k, torch_path=False),
+    )
     x3 = _x(6, k, torch.float16, seed=14).reshape(3, 2, k)
-    _assert_matches(il.int8_linear_triton(x3, q, s, b), x3, q, s, b, **_bounds(torch.float16, k, torch_path=False))
+    _assert_matches(
+        il.int8_linear_triton(x3, q, s, b),
+        x3,
+        q,
+        s,
+        b,
+        **_bounds(torch.float16, k, torch_path=False),
+    )
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
@@ -233,12 +276,12 @@ def test_triton_small_tiles_into_a_slice(split_k, dtype):
     q, s, b = _layer(n, k, seed=15, bias=True)
     x = _x(m, k, dtype, seed=16)
     buf = torch.full((m, n + 9), float("nan"), dtype=dtype, device=DEVICE)
-    out = buf[:, 4:4 + n]
+    out = buf[:, 4 : 4 + n]
     cfg = il.GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, group_m=2)
     il._int8_matmul(x, q, s, b, out, cfg)
     assert ALLOCATIONS == ([(split_k, m, n)] if split_k > 1 else [])  # the NaN workspace was used
     _assert_matches(out, x, q, s, b, **_bounds(dtype, k, torch_path=False))
-    assert buf[:, :4].isnan().all() and buf[:, 4 + n:].isnan().all()
+    assert buf[:, :4].isnan().all() and buf[:, 4 + n :].isnan().all()
 
 
 def test_pick_config_tiles_and_splits():
@@ -250,7 +293,9 @@ def test_pick_config_tiles_and_splits():
                 assert cfg.block_m >= min(m, 16) and (m <= 64 or cfg.block_m == 128)
                 k_blocks = -(-k // cfg.block_k)
                 per = -(-k_blocks // cfg.split_k)
-                assert 1 <= cfg.split_k <= max(k_blocks, 1) and (cfg.split_k - 1) * per < k_blocks  # none empty
+                assert (
+                    1 <= cfg.split_k <= max(k_blocks, 1) and (cfg.split_k - 1) * per < k_blocks
+                )  # none empty
                 assert cfg.split_k == 1 or m <= 64
     assert il.pick_config(1, 80, 300, torch.bfloat16, torch.device("cpu")).split_k > 1
 
@@ -258,7 +303,9 @@ def test_pick_config_tiles_and_splits():
 # --- quantized vs float layer ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [il.int8_linear_torch, il.int8_linear_triton], ids=["torch", "triton"])
+@pytest.mark.parametrize(
+    "fn", [il.int8_linear_torch, il.int8_linear_triton], ids=["torch", "triton"]
+)
 def test_quantized_layer_close_to_float_layer(fn):
     """Rounding each weight moves it at most scale/2, so |y_q - y| <= sum_k |x_k| * scale_n / 2."""
     m, n, k = 9, 80, 96

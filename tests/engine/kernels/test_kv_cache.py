@@ -1,6 +1,7 @@
 """Paged KV cache writes: plain copies, and int8 / float8_e4m3fn with per-(block, head) scales that
 grow as blocks fill up over several steps. Triton kernel (interpreter on the CPU) vs torch reference,
 both against an independent model of the documented rule (expected scales, error bounds)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,7 +73,9 @@ def test_plain_write_rejects_mismatched_dtype_and_stray_scales():
 # quantized: an independent model of the documented rule
 
 
-def _stage_bound(prev: torch.Tensor, value: torch.Tensor, s: torch.Tensor, cache_dtype) -> torch.Tensor:
+def _stage_bound(
+    prev: torch.Tensor, value: torch.Tensor, s: torch.Tensor, cache_dtype
+) -> torch.Tensor:
     """Error bound of an entry after one more (re)quantization at scale s, given its bound before.
     int8: half a step, s/2 (plus float32 slack on x/s and q*ratio). float8 e4m3: 2**-4 relative to the
     value being rounded (|value| + prev), or half the subnormal step 2**-9 * s, whichever is larger."""
@@ -107,11 +110,16 @@ class Expected:
             if first > 0 and s[h] > self.scale[block, h]:
                 self.requantizations += 1
                 self.bound[block, h, :first] = _stage_bound(
-                    self.bound[block, h, :first], self.truth[block, h, :first], float(s[h]), self.cache_dtype)
+                    self.bound[block, h, :first],
+                    self.truth[block, h, :first],
+                    float(s[h]),
+                    self.cache_dtype,
+                )
         new = vals.transpose(0, 1).double()  # [H, count, D]
-        self.truth[block, :, first:first + count] = new
-        self.bound[block, :, first:first + count] = _stage_bound(
-            torch.zeros_like(new), new, s.double()[:, None, None], self.cache_dtype)
+        self.truth[block, :, first : first + count] = new
+        self.bound[block, :, first : first + count] = _stage_bound(
+            torch.zeros_like(new), new, s.double()[:, None, None], self.cache_dtype
+        )
         self.scale[block] = s
         self.filled[block] = first + count
 
@@ -127,11 +135,23 @@ class Scenario:
 
 SCENARIOS = [
     Scenario("token_by_token_bs4_holes", 4, 10, [[5, 1, 8]], [[(0, 1)]] * 11),
-    Scenario("chunks_bs16", 16, 8, [[3, 0, 6]], [[(0, 13)], [(0, 1)], [(0, 1)], [(0, 20)], [(0, 5)]]),
-    Scenario("all_at_once_short_and_long_two_seqs", 16, 12, [[2, 7, 4], [9, 10]],
-             [[(0, 37), (-1, 2), (1, 5), (-1, 3)], [(0, 1), (1, 1)], [(1, 12), (-1, 1), (0, 3)]]),
-    Scenario("prefill_chunks_two_seqs_bs4", 4, 16, [[11, 2, 14, 5, 7], [0, 13, 3]],
-             [[(0, 6), (1, 3)], [(1, 5), (0, 1)], [(-1, 1), (0, 9), (1, 1)], [(0, 1), (1, 1), (-1, 2)]]),
+    Scenario(
+        "chunks_bs16", 16, 8, [[3, 0, 6]], [[(0, 13)], [(0, 1)], [(0, 1)], [(0, 20)], [(0, 5)]]
+    ),
+    Scenario(
+        "all_at_once_short_and_long_two_seqs",
+        16,
+        12,
+        [[2, 7, 4], [9, 10]],
+        [[(0, 37), (-1, 2), (1, 5), (-1, 3)], [(0, 1), (1, 1)], [(1, 12), (-1, 1), (0, 3)]],
+    ),
+    Scenario(
+        "prefill_chunks_two_seqs_bs4",
+        4,
+        16,
+        [[11, 2, 14, 5, 7], [0, 13, 3]],
+        [[(0, 6), (1, 3)], [(1, 5), (0, 1)], [(-1, 1), (0, 9), (1, 1)], [(0, 1), (1, 1), (-1, 2)]],
+    ),
 ]
 
 
@@ -215,7 +235,9 @@ def _assert_paths_agree(ref, got, init, exp: Expected, cache_dtype, num_blocks):
     for i in range(4):
         # untouched blocks keep their bytes and scales (skipped slots wrote nothing)
         r, gt, ini = _raw(ref[i]), _raw(got[i]), _raw(init[i]).to(DEVICE)
-        assert torch.equal(r[untouched], ini[untouched]) and torch.equal(gt[untouched], ini[untouched])
+        assert torch.equal(r[untouched], ini[untouched]) and torch.equal(
+            gt[untouched], ini[untouched]
+        )
     for i in range(2):
         assert torch.equal(got[i + 2], ref[i + 2])  # scales: the same float32 ops, exactly rounded
         r, gt = _raw(ref[i]), _raw(got[i])
@@ -227,8 +249,10 @@ def _assert_paths_agree(ref, got, init, exp: Expected, cache_dtype, num_blocks):
             b = kv.dequantize_torch(got[i], got[i + 2], ids, torch.float32)
             valid = torch.zeros_like(a, dtype=torch.bool)
             for j, blk in enumerate(touched):
-                valid[j, :, :exp.filled[blk]] = True
-            torch.testing.assert_close(b[valid], a[valid], rtol=2.0**-3, atol=2.0**-9 * ref[i + 2].max().item())
+                valid[j, :, : exp.filled[blk]] = True
+            torch.testing.assert_close(
+                b[valid], a[valid], rtol=2.0**-3, atol=2.0**-9 * ref[i + 2].max().item()
+            )
         assert (r == gt).float().mean().item() > 0.999
 
 
@@ -273,7 +297,9 @@ def test_all_tokens_skipped_changes_nothing():
 
 def test_touched_blocks_plan():
     bs = 4
-    slots = torch.tensor([-1, 5 * bs + 2, 5 * bs + 3, 1 * bs + 0, -1, 9 * bs + 0, 9 * bs + 1, 9 * bs + 2])
+    slots = torch.tensor(
+        [-1, 5 * bs + 2, 5 * bs + 3, 1 * bs + 0, -1, 9 * bs + 0, 9 * bs + 1, 9 * bs + 2]
+    )
     blocks, first, count, start = kv.touched_blocks(slots, bs)
     assert blocks.tolist() == [1, 5, 9]
     assert first.tolist() == [0, 2, 0]
@@ -285,7 +311,9 @@ def test_qmax_and_dequantize():
     assert kv.kv_qmax(torch.int8) == 127.0 and kv.kv_qmax(torch.float8_e4m3fn) == 448.0
     with pytest.raises(ValueError):
         kv.kv_qmax(torch.bfloat16)
-    cache = torch.tensor([[[[1, -2]], [[127, 0]]], [[[3, 4]], [[-127, 5]]]], dtype=torch.int8)  # [2, 2, 1, 2]
+    cache = torch.tensor(
+        [[[[1, -2]], [[127, 0]]], [[[3, 4]], [[-127, 5]]]], dtype=torch.int8
+    )  # [2, 2, 1, 2]
     scale = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
     got = kv.dequantize_torch(cache, scale, torch.tensor([1, 0]), torch.float32)
     want = torch.tensor([[[[3.0, 4.0]], [[-31.75, 1.25]]], [[[0.5, -1.0]], [[254.0, 0.0]]]])
@@ -301,22 +329,38 @@ def test_rounding_ties_go_to_even(impl):
     like torch.round / torch's float8 cast do it: ties to even, subnormal float8 codes included."""
     int8_vals = [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 3.25]
     int8_want = [127, 0, 2, 2, 0, -2, 126, -126, 3]
-    fp8_vals = [448.0, 1.0625, 1.1875, 17.0, 19.0, -1.0625, 0.0029296875, 0.0048828125, 0.0009765625, 440.0]
+    fp8_vals = [
+        448.0,
+        1.0625,
+        1.1875,
+        17.0,
+        19.0,
+        -1.0625,
+        0.0029296875,
+        0.0048828125,
+        0.0009765625,
+        440.0,
+    ]
     fp8_want = [448.0, 1.0, 1.25, 16.0, 20.0, -1.0, 0.00390625, 0.00390625, 0.0, 448.0]
-    for cache_dtype, vals, want in ((torch.int8, int8_vals, int8_want), (torch.float8_e4m3fn, fp8_vals, fp8_want)):
+    for cache_dtype, vals, want in (
+        (torch.int8, int8_vals, int8_want),
+        (torch.float8_e4m3fn, fp8_vals, fp8_want),
+    ):
         k = torch.zeros(1, H, D)
-        k[0, :, :len(vals)] = torch.tensor(vals)
+        k[0, :, : len(vals)] = torch.tensor(vals)
         k = k.to(DEVICE)
         cache = torch.zeros(2, H, 4, D, dtype=cache_dtype, device=DEVICE)
         scale = torch.zeros(2, H, device=DEVICE)
         slots = torch.tensor([4], dtype=torch.int32, device=DEVICE)  # int32 slot mappings work too
         IMPLS[impl](k, k, cache, cache.clone(), slots, scale, scale.clone())
         assert scale[1].tolist() == [1.0] * H
-        stored = cache[1, :, 0, :len(vals)].float().cpu()
+        stored = cache[1, :, 0, : len(vals)].float().cpu()
         assert stored.tolist() == [want] * H
         if cache_dtype == torch.float8_e4m3fn:  # and byte for byte what torch's own cast gives
-            torch_cast = torch.tensor(vals).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-            assert torch.equal(cache[1, 0, 0, :len(vals)].view(torch.uint8).cpu(), torch_cast)
+            torch_cast = (
+                torch.tensor(vals).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+            )
+            assert torch.equal(cache[1, 0, 0, : len(vals)].view(torch.uint8).cpu(), torch_cast)
 
 
 @pytest.mark.parametrize("cache_dtype", QDTYPES, ids=["int8", "fp8"])
@@ -325,7 +369,9 @@ def test_all_zero_values_get_the_floor_scale(cache_dtype):
     for impl in IMPLS.values():
         cache = torch.ones(2, H, 4, D, device=DEVICE).to(cache_dtype)
         scale = torch.full((2, H), 5.0, device=DEVICE)
-        impl(k, k, cache, cache.clone(), torch.tensor([4, 5, 6], device=DEVICE), scale, scale.clone())
+        impl(
+            k, k, cache, cache.clone(), torch.tensor([4, 5, 6], device=DEVICE), scale, scale.clone()
+        )
         assert torch.equal(scale[1], torch.full((H,), kv.SCALE_FLOOR, device=DEVICE))
         deq = kv.dequantize_torch(cache, scale, torch.tensor([1], device=DEVICE), torch.float32)
         assert torch.equal(deq[0, :, :3], torch.zeros(H, 3, D, device=DEVICE))

@@ -2,12 +2,13 @@
 of the int8 rule in test_kv_cache, from float32 and bfloat16 K/V: every scenario there (blocks
 filled over several steps with growing scales, holes, padding tokens, two sequences, block
 reuse), byte for byte; and the plain copy into a cache of the K/V's own type."""
+
 from __future__ import annotations
 
 import pytest
+import test_kv_cache as t
 import torch
 
-import test_kv_cache as t
 from sluice.engine.cpu_kernels.kv_write import write_kv_native
 
 
@@ -50,11 +51,18 @@ def test_unquantized_write_is_a_copy_to_the_slots(dtype):
     want_k, want_v = k_cache.clone(), v_cache.clone()
     t.kv.write_kv_torch(k, v, want_k, want_v, slots)
     write_kv_native(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0))  # skipped slots left as they were
+    assert torch.equal(
+        k_cache.nan_to_num(7.0), want_k.nan_to_num(7.0)
+    )  # skipped slots left as they were
     assert torch.equal(v_cache.nan_to_num(7.0), want_v.nan_to_num(7.0))
 
 
 def test_a_cache_of_another_type_is_refused():
     k = torch.randn(2, 2, 16)
     with pytest.raises(ValueError, match="bfloat16"):
-        write_kv_native(k, k, *(torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16) for _ in range(2)), torch.arange(2))
+        write_kv_native(
+            k,
+            k,
+            *(torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16) for _ in range(2)),
+            torch.arange(2),
+        )

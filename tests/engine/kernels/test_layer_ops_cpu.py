@@ -3,17 +3,21 @@
 in float32 and bfloat16. Row counts cover one thread (a few rows) and the threaded case (300 rows).
 In bfloat16 the kernels compute in float32 and round where the references round, so each result
 is within half a bfloat16 step of float64 on the same (rounded) inputs."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_rotary import _config, _cos_sin
 
-from sluice.engine.cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
+from sluice.engine.cpu_kernels.layer_ops import (
+    add_rmsnorm_native,
+    rotary_native_,
+    silu_and_mul_native,
+)
 from sluice.engine.kernels.activation import silu_and_mul_torch
 from sluice.engine.kernels.norm import add_rmsnorm_torch
 from sluice.engine.kernels.rotary import rotary_torch_
-
-from test_rotary import _config, _cos_sin
 
 ROWS = [1, 7, 300]
 
@@ -25,7 +29,7 @@ def _gen(seed: int) -> torch.Generator:
 def assert_one_bf16_rounding(got: torch.Tensor, f64: torch.Tensor) -> None:
     assert got.dtype == torch.bfloat16
     err = (got.double() - f64).abs()
-    assert (err <= f64.abs() * 2.0 ** -8 + 1e-30).all(), err.max()
+    assert (err <= f64.abs() * 2.0**-8 + 1e-30).all(), err.max()
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -73,13 +77,20 @@ def test_silu_and_mul(rows, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place(rows, hq, hkv, d, dtype):
     g = _gen(rows + d)
-    qkv = (torch.randn(rows, (hq + 2 * hkv) * d + 24, generator=g) * 2).to(dtype)  # q, k, v views of one matrix
+    qkv = (torch.randn(rows, (hq + 2 * hkv) * d + 24, generator=g) * 2).to(
+        dtype
+    )  # q, k, v views of one matrix
     q = qkv[:, : hq * d].view(rows, hq, d)
     k = qkv[:, hq * d : (hq + hkv) * d].view(rows, hkv, d)
     positions = torch.randint(0, 100_000, (rows,), generator=g)
     cos, sin = _cos_sin(_config(hq, hkv, d), positions)
     want = qkv.clone()
-    rotary_torch_(want[:, : hq * d].view(rows, hq, d), want[:, hq * d : (hq + hkv) * d].view(rows, hkv, d), cos, sin)
+    rotary_torch_(
+        want[:, : hq * d].view(rows, hq, d),
+        want[:, hq * d : (hq + hkv) * d].view(rows, hkv, d),
+        cos,
+        sin,
+    )
     before = qkv.double()
     rotary_native_(q, k, cos, sin)
     if dtype == torch.bfloat16:
@@ -89,7 +100,9 @@ def test_rotary_in_place(rows, hq, hkv, d, dtype):
         f64 = torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
         assert_one_bf16_rounding(qkv[:, : (hq + hkv) * d].view(rows, hq + hkv, d), f64)
     else:
-        assert torch.equal(qkv[:, (hq + hkv) * d :], want[:, (hq + hkv) * d :])  # v and the padding untouched
+        assert torch.equal(
+            qkv[:, (hq + hkv) * d :], want[:, (hq + hkv) * d :]
+        )  # v and the padding untouched
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -110,7 +123,7 @@ def test_add_rmsnorm_bfloat16(rows, with_residual):
     # the statistics differ from float64 by float32 noise, which may move `normed` by one step
     # where it sits on a rounding boundary: nearly every element equals torch's, all are close
     assert (got == want).float().mean() > 0.99
-    torch.testing.assert_close(got.double(), weight.double() * normed, rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got.double(), weight.double() * normed, rtol=2**-7, atol=1e-6)
 
 
 def test_types_must_agree():

@@ -1,13 +1,13 @@
 """add_rmsnorm: Triton kernel vs torch reference vs a float64 computation (interpreter on the CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from sluice.engine.kernels import norm
-from sluice.engine.kernel_ops.torch_ops import TorchOps
-
 from _tolerances import U, assert_kernel_matches
+
+from sluice.engine.kernel_ops.torch_ops import TorchOps
+from sluice.engine.kernels import norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -36,7 +36,9 @@ def test_add_rmsnorm_matches_reference(T, H, dtype):
     ref_n, ref_r = norm.add_rmsnorm_torch(x, res, w, EPS)
     # the reference: residual sum rounded like a plain add; normed within two roundings of float64
     assert torch.equal(ref_r, x + res)
-    torch.testing.assert_close(ref_n.double(), _float64_rmsnorm(ref_r, w), rtol=2.01 * U[dtype] + 1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        ref_n.double(), _float64_rmsnorm(ref_r, w), rtol=2.01 * U[dtype] + 1e-6, atol=1e-6
+    )
     # and the engine's torch path (its RMSNorm, transformers' arithmetic) gives the same thing bit
     # for bit
     assert torch.equal(ref_n, TorchOps().add_rmsnorm(ref_r, None, w, EPS)[0])
@@ -62,7 +64,7 @@ def test_every_output_element_written(dtype):
     T, H = 9, 576
     g = torch.Generator().manual_seed(3)
     wide = (torch.randn(T, H + 40, generator=g)).to(dtype).to(DEVICE)
-    x = wide[:, 16:16 + H]
+    x = wide[:, 16 : 16 + H]
     res = torch.randn(T, 2 * H, generator=g).to(dtype).to(DEVICE)[:, ::2].contiguous()
     w = torch.randn(H, generator=g).to(dtype).to(DEVICE)
     ref_n, ref_r = norm.add_rmsnorm_torch(x, res, w, EPS)

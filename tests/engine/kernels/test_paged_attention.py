@@ -7,6 +7,7 @@ wholly before a sliding window) holds NaN (quantized: 127 or NaN with a NaN scal
 padding and out-of-window entries name such blocks (or, in some tests, ids that are negative or
 far past the cache), and the output (and merge scratch) the kernel writes into starts as NaN.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,9 @@ def _quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     return stored, scale
 
 
-def build_case(lens, hkv, group, d, bs, dtype, *, quant=None, window=None, share=0, seed=0, wild=False):
+def build_case(
+    lens, hkv, group, d, bs, dtype, *, quant=None, window=None, share=0, seed=0, wild=False
+):
     """Random decode batch over a scattered, poisoned cache. Returns (args for the kernels,
     float64 caches as the kernel should read them, float64 caches before quantization).
 
@@ -49,7 +52,7 @@ def build_case(lens, hkv, group, d, bs, dtype, *, quant=None, window=None, share
     num_blocks = 2 * sum(nblk) + 5
     width = max(nblk + [1]) + 2
     perm = torch.randperm(num_blocks, generator=gen)
-    spare = perm[sum(nblk):]
+    spare = perm[sum(nblk) :]
 
     def junk_ids(*shape):
         if wild:
@@ -59,7 +62,7 @@ def build_case(lens, hkv, group, d, bs, dtype, *, quant=None, window=None, share
     table = junk_ids(n, width)  # padding
     used = 0
     for i, nb in enumerate(nblk):
-        table[i, :nb] = perm[used: used + nb]
+        table[i, :nb] = perm[used : used + nb]
         used += nb
     if share:  # the last sequence shares its first `share` (full) blocks with the one before it
         assert share * bs <= min(lens[-2], lens[-1])
@@ -86,7 +89,10 @@ def build_case(lens, hkv, group, d, bs, dtype, *, quant=None, window=None, share
         seen = (k_cache.double(), v_cache.double())
     else:
         (k_cache, ks), (v_cache, vs) = _quantize(k, quant), _quantize(v, quant)
-        seen = (k_cache.double() * ks.double()[..., None, None], v_cache.double() * vs.double()[..., None, None])
+        seen = (
+            k_cache.double() * ks.double()[..., None, None],
+            v_cache.double() * vs.double()[..., None, None],
+        )
         junk = torch.tensor(127 if quant == torch.int8 else float("nan")).to(quant)
         k_cache = torch.where(slot_mask, junk, k_cache)
         v_cache = torch.where(slot_mask, junk, v_cache)
@@ -94,7 +100,7 @@ def build_case(lens, hkv, group, d, bs, dtype, *, quant=None, window=None, share
         vs = vs.masked_fill(~referenced[:, None], float("nan"))
         scales = (ks, vs)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    args = (q, k_cache, v_cache, table.to(torch.int32), seq_lens, d ** -0.5, *scales, window)
+    args = (q, k_cache, v_cache, table.to(torch.int32), seq_lens, d**-0.5, *scales, window)
     return args, seen, raw
 
 
@@ -124,7 +130,10 @@ def run_triton(args, **kw):
     splits = kw.get("num_splits")
     if splits and splits > 1:
         n, hq, d = q.shape
-        kw["workspace"] = (torch.full((n, hq, splits, d), float("nan")), torch.full((n, hq, splits), float("nan")))
+        kw["workspace"] = (
+            torch.full((n, hq, splits, d), float("nan")),
+            torch.full((n, hq, splits), float("nan")),
+        )
     res = paged_decode_attention_triton(*args, out=out, **kw)
     assert res.data_ptr() == out.data_ptr() and res.dtype == q.dtype
     assert torch.isfinite(res).all(), "an output element was not written (or NaN leaked in)"
@@ -158,27 +167,39 @@ FLOAT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,hkv,group,d", FLOAT_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize(
+    "dtype,hkv,group,d", FLOAT_CASES, ids=lambda v: str(v).replace("torch.", "")
+)
 def test_float_cache_matches_reference(dtype, hkv, group, d):
     args, seen, _ = build_case(LENS, hkv, group, d, 16, dtype, share=1, seed=group)
-    one = check(args, seen)  # default: one partition on the CPU, the kernel writes the output itself
+    one = check(
+        args, seen
+    )  # default: one partition on the CPU, the kernel writes the output itself
     # Uneven partitions: 300 tokens in 3 x 128 (the last one 44), the short sequences' later
     # partitions empty.
     split = check(args, seen, num_splits=3)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(split.float(), one.float(), rtol=rtol, atol=atol)
     if group != 8:  # without a preallocated output
-        torch.testing.assert_close(paged_decode_attention_triton(*args, num_splits=2), one, rtol=rtol, atol=atol)
+        torch.testing.assert_close(
+            paged_decode_attention_triton(*args, num_splits=2), one, rtol=rtol, atol=atol
+        )
 
 
-@pytest.mark.parametrize("quant,dtype,hkv,group,window", [
-    (torch.int8, torch.float32, 3, 3, None),
-    (torch.int8, torch.bfloat16, 2, 8, 37),
-    (torch.float8_e4m3fn, torch.float16, 2, 1, None),
-    (torch.float8_e4m3fn, torch.bfloat16, 2, 3, 37),
-], ids=["int8-f32-G3", "int8-bf16-G8-window", "fp8-f16-G1", "fp8-bf16-G3-window"])
+@pytest.mark.parametrize(
+    "quant,dtype,hkv,group,window",
+    [
+        (torch.int8, torch.float32, 3, 3, None),
+        (torch.int8, torch.bfloat16, 2, 8, 37),
+        (torch.float8_e4m3fn, torch.float16, 2, 1, None),
+        (torch.float8_e4m3fn, torch.bfloat16, 2, 3, 37),
+    ],
+    ids=["int8-f32-G3", "int8-bf16-G8-window", "fp8-f16-G1", "fp8-bf16-G3-window"],
+)
 def test_quantized_cache(quant, dtype, hkv, group, window):
-    args, seen, raw = build_case(LENS, hkv, group, 64, 16, dtype, quant=quant, window=window, share=1, seed=7)
+    args, seen, raw = build_case(
+        LENS, hkv, group, 64, 16, dtype, quant=quant, window=window, share=1, seed=7
+    )
     # Same quantized cache: kernel and reference agree tightly, and the reference matches float64
     # on the dequantized values (`check`).
     got = check(args, seen, num_splits=2)
@@ -205,8 +226,12 @@ def test_sliding_window():
         torch.testing.assert_close(newest[i].double(), want, rtol=1e-6, atol=1e-6)
     # A window covering every context changes nothing (on a table with all its entries intact).
     args, seen, _ = build_case(lens, 2, 3, 64, 16, torch.float32, seed=4)
-    torch.testing.assert_close(run_triton(args[:-1] + (300,), num_splits=2), paged_decode_attention_torch(*args),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        run_triton(args[:-1] + (300,), num_splits=2),
+        paged_decode_attention_torch(*args),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_many_uneven_splits_small_tiles():
@@ -248,7 +273,9 @@ def test_rejects_bad_arguments():
         with pytest.raises(ValueError, match="k_scale"):
             fn(q, kc, vc, table, lens, scale)  # quantized cache without scales
         with pytest.raises(ValueError, match="cache dtype"):
-            fn(q.half(), kc.float(), vc.float(), table, lens, scale)  # a float cache not in q's dtype
+            fn(
+                q.half(), kc.float(), vc.float(), table, lens, scale
+            )  # a float cache not in q's dtype
         with pytest.raises(ValueError, match="multiple"):
             fn(q[:, :3], kc, vc, table, lens, scale, ks, vs)  # 3 query heads over 2 KV heads
         with pytest.raises(ValueError, match="sliding_window"):

@@ -4,18 +4,18 @@ The caches come from test_paged_attention.build_case: scattered blocks, NaN in e
 may attend, block-table padding naming poisoned blocks (or wild ids). The kernel writes only the
 rows of its decode tokens, so the other rows of a NaN-filled output must stay NaN.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_paged_attention import LENS, attention_f64, build_case
 
 from sluice.engine import cpu_kernels
 from sluice.engine.cpu_kernels.paged_decode import paged_decode_cpu, supports
 from sluice.engine.errors import EngineError
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kernels.paged_attention import paged_decode_attention_torch
-
-from test_paged_attention import LENS, attention_f64, build_case
 
 
 def test_the_kernels_build_on_this_machine():
@@ -35,7 +35,20 @@ def run_native(args, *, stride_pad: int = 0, extra_rows: int = 0):
     q_rows = wide[:, : hq * d].view(rows, hq, d)
     q_rows[tokens] = q
     out = torch.full((rows, hq, d), float("nan"), dtype=q.dtype)
-    paged_decode_cpu(q_rows, out, tokens, k_cache, v_cache, table, lens, scale, window, int(lens.max()), k_scale, v_scale)
+    paged_decode_cpu(
+        q_rows,
+        out,
+        tokens,
+        k_cache,
+        v_cache,
+        table,
+        lens,
+        scale,
+        window,
+        int(lens.max()),
+        k_scale,
+        v_scale,
+    )
     others = torch.ones(rows, dtype=torch.bool)
     others[tokens] = False
     assert out[others].isnan().all(), "the kernel wrote rows that are not its decode tokens"
@@ -56,15 +69,27 @@ def check(args, seen, **kw):
 # (KV heads, G, head dim, block size): the vectorized path (block 16, D 64 or 128, G <= 16) and
 # the generic one (D not a multiple of 16, block 8, G over 16). The vectorized path takes a head's
 # queries in groups (of 4 for D 64, of 2 for D 128): G 7 and 5 leave a smaller last group.
-CASES = [(2, 1, 64, 16), (3, 3, 64, 16), (2, 8, 128, 16), (1, 7, 64, 16), (2, 5, 128, 16), (2, 3, 80, 16),
-         (2, 3, 64, 8), (1, 20, 64, 16)]
+CASES = [
+    (2, 1, 64, 16),
+    (3, 3, 64, 16),
+    (2, 8, 128, 16),
+    (1, 7, 64, 16),
+    (2, 5, 128, 16),
+    (2, 3, 80, 16),
+    (2, 3, 64, 8),
+    (1, 20, 64, 16),
+]
 
 
 @pytest.mark.parametrize("hkv,group,d,bs", CASES, ids=lambda v: str(v))
 def test_matches_float64_and_the_torch_path(hkv, group, d, bs):
-    args, seen, _ = build_case(LENS + [33], hkv, group, d, bs, torch.float32, share=1, seed=group + d)
+    args, seen, _ = build_case(
+        LENS + [33], hkv, group, d, bs, torch.float32, share=1, seed=group + d
+    )
     check(args, seen)
-    check(args, seen, stride_pad=2 * hkv * d, extra_rows=2)  # q rows inside qkv, prefill rows between
+    check(
+        args, seen, stride_pad=2 * hkv * d, extra_rows=2
+    )  # q rows inside qkv, prefill rows between
 
 
 @pytest.mark.parametrize("bs", [16, 8])
@@ -74,13 +99,25 @@ def test_sliding_window_never_reads_before_it(bs):
     check(args, seen)
 
 
-@pytest.mark.parametrize("hkv,group,d,window", [(3, 3, 64, None), (2, 8, 128, 37), (1, 1, 64, None)])
+@pytest.mark.parametrize(
+    "hkv,group,d,window", [(3, 3, 64, None), (2, 8, 128, 37), (1, 1, 64, None)]
+)
 def test_int8_cache_read_directly(hkv, group, d, window):
     """int8 values and per-(block, head) scales (127 in unused slots, NaN scales on unused blocks):
     the kernel dequantizes as it reads and agrees with the torch reference and with float64 on the
     dequantized values; against the unquantized values only as close as int8 allows."""
-    args, seen, raw = build_case(LENS + [33], hkv, group, d, 16, torch.float32, quant=torch.int8, window=window,
-                                 share=1, seed=11 + d)
+    args, seen, raw = build_case(
+        LENS + [33],
+        hkv,
+        group,
+        d,
+        16,
+        torch.float32,
+        quant=torch.int8,
+        window=window,
+        share=1,
+        seed=11 + d,
+    )
     check(args, seen)
     q, _, _, table, lens, scale, _, _, window = args
     exact = attention_f64(q, *raw, table, lens, scale, window)
@@ -99,14 +136,31 @@ def test_one_long_context():
     check(args, seen)
 
 
-@pytest.mark.parametrize("hkv,group,d,quant,window", [(3, 3, 64, None, None), (2, 8, 128, None, 37),
-                                                      (3, 3, 64, torch.int8, None), (1, 1, 128, torch.int8, 21)])
+@pytest.mark.parametrize(
+    "hkv,group,d,quant,window",
+    [
+        (3, 3, 64, None, None),
+        (2, 8, 128, None, 37),
+        (3, 3, 64, torch.int8, None),
+        (1, 1, 128, torch.int8, 21),
+    ],
+)
 def test_bfloat16_queries(hkv, group, d, quant, window):
     """bfloat16 queries and outputs on a bfloat16 (or int8) cache: float32 arithmetic inside, one
     rounding at the end, so every output is within half a bfloat16 step of float64 on the same
     inputs."""
-    args, seen, _ = build_case(LENS + [33], hkv, group, d, 16, torch.bfloat16, quant=quant, window=window, share=1,
-                               seed=21 + d)
+    args, seen, _ = build_case(
+        LENS + [33],
+        hkv,
+        group,
+        d,
+        16,
+        torch.bfloat16,
+        quant=quant,
+        window=window,
+        share=1,
+        seed=21 + d,
+    )
     q, k_cache, _, table, lens, scale, _, _, window = args
     assert k_cache.dtype == (quant or torch.bfloat16)
     f64 = attention_f64(q, *seen, table, lens, scale, window)
@@ -114,7 +168,7 @@ def test_bfloat16_queries(hkv, group, d, quant, window):
         got = run_native(args, **kw)
         assert got.dtype == torch.bfloat16
         err = (got.double() - f64).abs()
-        assert (err <= f64.abs() * 2.0 ** -8 + 1e-5).all(), err.max()
+        assert (err <= f64.abs() * 2.0**-8 + 1e-5).all(), err.max()
 
 
 def test_bfloat16_without_the_dot_instruction(monkeypatch, tmp_path):
@@ -140,11 +194,19 @@ def test_which_query_and_cache_types_it_serves():
     k = torch.zeros(4, 2, 16, 64)
     q32, q16 = torch.zeros(3, 6, 64), torch.zeros(3, 6, 64, dtype=torch.bfloat16)
     assert supports(q32, k) and supports(q16, k.bfloat16()) and supports(q16, k.to(torch.int8))
-    assert not supports(q16, k) and not supports(q32, k.bfloat16()) and not supports(q32.half(), k.half())
-    assert not supports(q16, torch.zeros(4, 2, 8, 64, dtype=torch.bfloat16))  # bfloat16: vectorized shapes only
+    assert (
+        not supports(q16, k)
+        and not supports(q32, k.bfloat16())
+        and not supports(q32.half(), k.half())
+    )
+    assert not supports(
+        q16, torch.zeros(4, 2, 8, 64, dtype=torch.bfloat16)
+    )  # bfloat16: vectorized shapes only
     args, _, _ = build_case([5, 40], 2, 3, 64, 16, torch.bfloat16, seed=2)
     with pytest.raises(ValueError, match="bfloat16"):  # outputs of another type than the queries
-        paged_decode_cpu(args[0], torch.empty(2, 6, 64), torch.arange(2), *args[1:5], args[5], None, 40)
+        paged_decode_cpu(
+            args[0], torch.empty(2, 6, 64), torch.arange(2), *args[1:5], args[5], None, 40
+        )
 
 
 def test_without_the_kernels_auto_falls_back_and_native_names_the_reason(monkeypatch):

@@ -2,6 +2,7 @@
 sequence, chunks after cached context, a chunk sharing its sequence's first blocks with another,
 chunks shorter than a tile and spanning many, a sliding window. Cache slots past each sequence's
 end hold NaN, and so does every row of the output the kernel must not write."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,9 @@ def build(q_lens, seq_lens, hkv, group, d, seed, share=False, dtype=torch.float3
     num_blocks = 2 * sum(nblk) + 3
     perm = torch.randperm(num_blocks, generator=g)
     width = max(nblk) + 2
-    table = perm[-1].repeat(len(seq_lens), width).clone()  # padding names an unused (poisoned) block
+    table = (
+        perm[-1].repeat(len(seq_lens), width).clone()
+    )  # padding names an unused (poisoned) block
     used = 0
     for i, nb in enumerate(nblk):
         table[i, :nb] = perm[used : used + nb]
@@ -41,7 +44,14 @@ def build(q_lens, seq_lens, hkv, group, d, seed, share=False, dtype=torch.float3
     hq = hkv * group
     wide = torch.randn(row, hq * d + 3 * d, generator=g) * 2
     q = wide[:, : hq * d].view(row, hq, d)
-    return q.to(dtype), k.to(dtype), v.to(dtype), table.to(torch.int32), torch.tensor(starts), d ** -0.5
+    return (
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        table.to(torch.int32),
+        torch.tensor(starts),
+        d**-0.5,
+    )
 
 
 def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
@@ -50,7 +60,9 @@ def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
     out = {}
     for i, (start, n, s) in enumerate(zip(starts.tolist(), q_lens, seq_lens)):
         pos = torch.arange(s)
-        kk = k[table[i, pos // BS].long(), :, pos % BS].double().repeat_interleave(hq // hkv, dim=1)  # [s, Hq, D]
+        kk = (
+            k[table[i, pos // BS].long(), :, pos % BS].double().repeat_interleave(hq // hkv, dim=1)
+        )  # [s, Hq, D]
         vv = v[table[i, pos // BS].long(), :, pos % BS].double().repeat_interleave(hq // hkv, dim=1)
         for j in range(n):
             qpos = s - n + j
@@ -64,8 +76,20 @@ def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
 
 def run(q, k, v, table, starts, q_lens, seq_lens, scale, window=None, k_scale=None, v_scale=None):
     out = torch.full_like(q, float("nan"))
-    paged_prefill_cpu(q, out, starts, torch.tensor(q_lens, dtype=torch.int32),
-                      torch.tensor(seq_lens, dtype=torch.int32), k, v, table, scale, window, k_scale, v_scale)
+    paged_prefill_cpu(
+        q,
+        out,
+        starts,
+        torch.tensor(q_lens, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        k,
+        v,
+        table,
+        scale,
+        window,
+        k_scale,
+        v_scale,
+    )
     return out
 
 
@@ -89,7 +113,9 @@ def test_matches_float64(hkv, group, d):
     out = run(q, k, v, table, starts, q_lens, seq_lens, scale)
     want = reference(q, k, v, table, starts, q_lens, seq_lens, scale, None)
     rows = torch.tensor(sorted(want))
-    torch.testing.assert_close(out[rows].double(), torch.stack([want[r] for r in sorted(want)]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out[rows].double(), torch.stack([want[r] for r in sorted(want)]), rtol=1e-5, atol=1e-5
+    )
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[rows] = False
     assert out[others].isnan().all(), "the kernel wrote rows outside the chunks"
@@ -124,18 +150,23 @@ def test_bfloat16_queries(hkv, group, d, window, cache):
     """bfloat16 queries and outputs on a bfloat16 (or int8) cache: within half a bfloat16 step of
     float64 on the same inputs (float32 inside, one rounding at the end)."""
     q_lens, seq_lens = [37, 20, 2, 150], [37, 60, 19, 250]
-    q, k, v, table, starts, scale = build(q_lens, seq_lens, hkv, group, d, seed=d, share=True, dtype=torch.bfloat16)
+    q, k, v, table, starts, scale = build(
+        q_lens, seq_lens, hkv, group, d, seed=d, share=True, dtype=torch.bfloat16
+    )
     scales = (None, None)
     if cache == torch.int8:
         (k, ks, _), (v, vs, _) = quantize_int8(k.float()), quantize_int8(v.float())
         scales = (ks, vs)
     out = run(q, k, v, table, starts, q_lens, seq_lens, scale, window, *scales)
     assert out.dtype == torch.bfloat16
-    seen = [c if s is None else c.float() * s[..., None, None] for c, s in ((k, scales[0]), (v, scales[1]))]
+    seen = [
+        c if s is None else c.float() * s[..., None, None]
+        for c, s in ((k, scales[0]), (v, scales[1]))
+    ]
     want = reference(q, *seen, table, starts, q_lens, seq_lens, scale, window)
     for r, w in want.items():
         err = (out[r].double() - w).abs()
-        assert (err <= w.abs() * 2.0 ** -8 + 1e-5).all(), (r, err.max())
+        assert (err <= w.abs() * 2.0**-8 + 1e-5).all(), (r, err.max())
     others = torch.ones(q.shape[0], dtype=torch.bool)
     others[torch.tensor(sorted(want))] = False
     assert out[others].isnan().all(), "the kernel wrote rows outside the chunks"

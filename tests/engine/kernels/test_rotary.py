@@ -1,28 +1,42 @@
 """rotary in place: Triton kernel vs torch reference vs the engine's `apply_rotary` and float64,
 with llama3-scaled angles at large positions (interpreter on the CPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from _tolerances import U, assert_kernel_matches
 
 from sluice.engine.config import ModelConfig
 from sluice.engine.kernels import rotary
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
 
-from _tolerances import U, assert_kernel_matches
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _config(hq, hkv, d, scaling=LLAMA3_SCALING):
-    return ModelConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": hq * d, "head_dim": d,
-        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": hq,
-        "num_key_value_heads": hkv, "rope_theta": 500000.0, "rope_scaling": scaling,
-        "max_position_embeddings": 131072,
-    })
+    return ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 100,
+            "hidden_size": hq * d,
+            "head_dim": d,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": hq,
+            "num_key_value_heads": hkv,
+            "rope_theta": 500000.0,
+            "rope_scaling": scaling,
+            "max_position_embeddings": 131072,
+        }
+    )
 
 
 def _cos_sin(cfg, positions):
@@ -39,8 +53,8 @@ def _fused_qkv(T, hq, hkv, d, dtype, seed, pad=24):
 
 def _views(m, hq, hkv, d):
     T = m.shape[0]
-    q = m[:, :hq * d].view(T, hq, d)
-    k = m[:, hq * d:(hq + hkv) * d].view(T, hkv, d)
+    q = m[:, : hq * d].view(T, hq, d)
+    k = m[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
     return q, k
 
 
@@ -67,12 +81,16 @@ def test_rotary_on_fused_qkv_views(T, hq, hkv, d, dtype):
 
     # v and the padding columns are untouched, bit for bit
     for m in (ref_m, got_m):
-        assert torch.equal(m[:, (hq + hkv) * d:], orig[:, (hq + hkv) * d:])
+        assert torch.equal(m[:, (hq + hkv) * d :], orig[:, (hq + hkv) * d :])
     q0, k0 = _views(orig, hq, hkv, d)
     rq, rk = _views(ref_m, hq, hkv, d)
     # the reference against float64 math on the same angles: one rounding to the dtype
-    torch.testing.assert_close(rq.double(), _float64_rotate(q0, cos, sin), rtol=U[dtype] + 1e-6, atol=1e-5)
-    torch.testing.assert_close(rk.double(), _float64_rotate(k0, cos, sin), rtol=U[dtype] + 1e-6, atol=1e-5)
+    torch.testing.assert_close(
+        rq.double(), _float64_rotate(q0, cos, sin), rtol=U[dtype] + 1e-6, atol=1e-5
+    )
+    torch.testing.assert_close(
+        rk.double(), _float64_rotate(k0, cos, sin), rtol=U[dtype] + 1e-6, atol=1e-5
+    )
     # position 0: cos 1, sin 0
     assert torch.equal(rq[0], q0[0]) and torch.equal(rk[0], k0[0])
     assert_kernel_matches(got_m, ref_m, dtype, atol=1e-5)
@@ -105,4 +123,6 @@ def test_matches_engine_apply_rotary_float32(scaling):
 def test_bad_shapes_raise():
     q = torch.zeros(3, 2, 8, device=DEVICE)
     with pytest.raises(ValueError):
-        rotary.rotary_triton_(q, q, torch.zeros(3, 3, device=DEVICE), torch.zeros(3, 3, device=DEVICE))
+        rotary.rotary_triton_(
+            q, q, torch.zeros(3, 3, device=DEVICE), torch.zeros(3, 3, device=DEVICE)
+        )

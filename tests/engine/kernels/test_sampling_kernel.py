@@ -22,15 +22,23 @@ INF = math.inf
 
 def rows(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """Per-row parameter tensors, every row alike."""
-    return (torch.full((n,), float(temperature)), torch.full((n,), int(top_k), dtype=torch.int32),
-            torch.full((n,), float(top_p)), torch.full((n,), float(min_p)))
+    return (
+        torch.full((n,), float(temperature)),
+        torch.full((n,), int(top_k), dtype=torch.int32),
+        torch.full((n,), float(top_p)),
+        torch.full((n,), float(min_p)),
+    )
 
 
 def stack_params(configs):
     """Per-row parameter tensors from a list of (temperature, top_k, top_p, min_p)."""
     t, k, p, m = zip(*configs)
-    return (torch.tensor(t, dtype=torch.float32), torch.tensor(k, dtype=torch.int32),
-            torch.tensor(p, dtype=torch.float32), torch.tensor(m, dtype=torch.float32))
+    return (
+        torch.tensor(t, dtype=torch.float32),
+        torch.tensor(k, dtype=torch.int32),
+        torch.tensor(p, dtype=torch.float32),
+        torch.tensor(m, dtype=torch.float32),
+    )
 
 
 def draw(name, logits, params, seeds):
@@ -48,8 +56,10 @@ def draw(name, logits, params, seeds):
     assert torch.isnan(max_gap[greedy]).all() and (max_gap[~greedy] >= 0).all()
     kept = (gap <= max_gap.unsqueeze(1)) & (gap < INF)  # what the kernel kept; NaN: nothing
     wrong = (kept != kept_ref).any(dim=1).nonzero().flatten().tolist()
-    assert not wrong, f"rows {wrong[:5]}: kernel kept {kept[wrong[0]].nonzero().flatten().tolist()}, " \
-                      f"reference {kept_ref[wrong[0]].nonzero().flatten().tolist()}"
+    assert not wrong, (
+        f"rows {wrong[:5]}: kernel kept {kept[wrong[0]].nonzero().flatten().tolist()}, "
+        f"reference {kept_ref[wrong[0]].nonzero().flatten().tolist()}"
+    )
     return out
 
 
@@ -235,7 +245,11 @@ def test_greedy_rows_take_the_first_argmax(name):
     logits[5, 299] = 50.0  # the last token
     logits[6, 0] = 50.0
     before = logits.clone()
-    configs = [(0.0, 0, 1.0, 0.0)] * 7 + [(0.0, 1, 0.1, 0.5), (-1.0, 3, 0.5, 0.0), (0.0, 0, 1.0, 0.9)]
+    configs = [(0.0, 0, 1.0, 0.0)] * 7 + [
+        (0.0, 1, 0.1, 0.5),
+        (-1.0, 3, 0.5, 0.0),
+        (0.0, 0, 1.0, 0.9),
+    ]
     tokens = SAMPLERS[name](logits, *stack_params(configs), random_seeds(n))
     assert tokens.dtype == torch.long and tokens.shape == (n,)
     assert tokens.tolist() == logits.argmax(dim=-1).tolist()
@@ -248,8 +262,17 @@ def test_every_row_is_written():
     g = torch.Generator().manual_seed(2)
     n, v = 9, 70
     logits = torch.randn(n, v, generator=g)
-    configs = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0),
-               (1.0, 0, 1.0, 0.1), (1.3, 10, 0.9, 0.05), (0.0, 2, 0.5, 0.0), (1.0, 1, 1.0, 0.0), (2.0, 0, 0.3, 0.0)]
+    configs = [
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 5, 1.0, 0.0),
+        (1.0, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.1),
+        (1.3, 10, 0.9, 0.05),
+        (0.0, 2, 0.5, 0.0),
+        (1.0, 1, 1.0, 0.0),
+        (2.0, 0, 0.3, 0.0),
+    ]
     params, seeds = stack_params(configs), random_seeds(n)
     assert_margins(logits, configs)
     out = draw("triton", logits, params, seeds)  # into outputs poisoned with -5 and -7
@@ -288,14 +311,14 @@ def test_draws_follow_the_kept_distribution(name):
     r = DRAWS[name]
     configs = [c for c in CHI_COMBOS.values() for _ in range(r)]
     logits = base.expand(len(configs), -1)  # stride 0 between rows: one row, many draws
-    assert_margins(logits[:: r], list(CHI_COMBOS.values()))
+    assert_margins(logits[::r], list(CHI_COMBOS.values()))
     params = stack_params(configs)
     tokens = draw(name, logits, params, random_seeds(len(configs), seed=7))  # one launch
-    probs = kept_probs_torch(logits[:: r], *stack_params(list(CHI_COMBOS.values())))
+    probs = kept_probs_torch(logits[::r], *stack_params(list(CHI_COMBOS.values())))
     for i, combo in enumerate(CHI_COMBOS):
         kept = int((probs[i] > 0).sum())
         assert 3 <= kept < 38 or combo == "temperature", (combo, kept)  # the filters do something
-        pvalue = chi_square_pvalue(tokens[i * r:(i + 1) * r], probs[i])
+        pvalue = chi_square_pvalue(tokens[i * r : (i + 1) * r], probs[i])
         assert pvalue > 1e-3, f"{name} {combo}: chi-square p-value {pvalue:.2e}"
 
 
@@ -311,9 +334,16 @@ def test_chi_square_rejects_a_wrong_distribution():
     right = kept_probs_torch(logits[:1], *rows(1, temperature=0.8))[0]
     assert chi_square_pvalue(tokens, right) > 1e-3
     small = DRAWS["triton"]  # the kernel's sample size still tells a 2x temperature apart
-    assert chi_square_pvalue(tokens[:small], kept_probs_torch(logits[:1], *rows(1, temperature=1.6))[0]) < 1e-3
+    assert (
+        chi_square_pvalue(
+            tokens[:small], kept_probs_torch(logits[:1], *rows(1, temperature=1.6))[0]
+        )
+        < 1e-3
+    )
     with pytest.raises(AssertionError, match="outside the kept set"):
-        chi_square_pvalue(tokens, kept_probs_torch(logits[:1], *rows(1, temperature=0.8, top_k=6))[0])
+        chi_square_pvalue(
+            tokens, kept_probs_torch(logits[:1], *rows(1, temperature=0.8, top_k=6))[0]
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,12 +357,21 @@ def adversarial_rows(v=64):
         "ties": torch.randint(0, 4, (v,), generator=g).float(),  # four values, many ties each
         "flat": torch.zeros(v),
         "dominant": torch.cat([torch.tensor([30.0]), torch.randn(v - 1, generator=g)]),
-        "masked": torch.where(torch.rand(v, generator=g) < 0.6, -INF, torch.randn(v, generator=g) * 3),
+        "masked": torch.where(
+            torch.rand(v, generator=g) < 0.6, -INF, torch.randn(v, generator=g) * 3
+        ),
         "huge": torch.randn(v, generator=g) * 1e4,  # gaps overflow at small temperatures
         "one_finite": torch.full((v,), -INF).index_fill_(0, torch.tensor([v - 1]), -1e30),
     }
-    filters = [(1.0, 2, 1.0, 0.0), (1.0, 0, 0.45, 0.0), (1.0, 0, 1.0, 0.3), (0.7, 5, 0.7, 0.1),
-               (1e-30, 0, 1.0, 0.0), (1e-3, 3, 0.9, 0.0), (50.0, 0, 0.95, 0.0)]
+    filters = [
+        (1.0, 2, 1.0, 0.0),
+        (1.0, 0, 0.45, 0.0),
+        (1.0, 0, 1.0, 0.3),
+        (0.7, 5, 0.7, 0.1),
+        (1e-30, 0, 1.0, 0.0),
+        (1e-3, 3, 0.9, 0.0),
+        (50.0, 0, 0.95, 0.0),
+    ]
     logits, configs, names = [], [], []
     for pname, x in pats.items():
         for f in filters:
@@ -366,7 +405,7 @@ def test_ties_at_the_threshold_are_all_kept(name):
     flat = torch.zeros(3 * n, v)
     configs = [(1.0, 2, 1.0, 0.0)] * n + [(1.0, 0, 0.1, 0.0)] * n + [(1.0, 1, 0.5, 0.9)] * n
     tokens = draw(name, flat, stack_params(configs), random_seeds(3 * n, seed=12))
-    spread = [tokens[i:i + n].unique().numel() for i in range(0, 3 * n, n)]
+    spread = [tokens[i : i + n].unique().numel() for i in range(0, 3 * n, n)]
     assert min(spread) >= 5, spread  # 8 uniform draws over 64 tokens: about 7.6 distinct
     best2 = torch.full((12, v), -5.0)
     best2[:, [9, 40]] = 2.0
@@ -380,8 +419,16 @@ def test_half_precision_logits(dtype):
     g = torch.Generator().manual_seed(4)
     n, v = 8, 100
     logits = (torch.randn(n, v, generator=g) * 3).to(dtype)
-    configs = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (1.0, 7, 1.0, 0.0), (1.0, 0, 0.6, 0.0),
-               (1.0, 0, 1.0, 0.15), (0.8, 10, 0.75, 0.05), (0.0, 3, 1.0, 0.0), (2.0, 2, 1.0, 0.0)]
+    configs = [
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (1.0, 7, 1.0, 0.0),
+        (1.0, 0, 0.6, 0.0),
+        (1.0, 0, 1.0, 0.15),
+        (0.8, 10, 0.75, 0.05),
+        (0.0, 3, 1.0, 0.0),
+        (2.0, 2, 1.0, 0.0),
+    ]
     params = stack_params(configs)
     assert_margins(logits.float(), configs)
     tokens = draw("triton", logits, params, random_seeds(n, seed=14))
@@ -399,8 +446,15 @@ def test_many_chunks_give_the_same_draws(monkeypatch):
     logits[0, [45, 237, 290]] = 10.0  # greedy tie across chunks (45 and 237 share a lane): 45 wins
     logits[1, :150] = -INF
     logits[2] = torch.randint(0, 3, (v,), generator=g).float()
-    configs = [(0.0, 0, 1.0, 0.0), (1.0, 4, 1.0, 0.0), (1.0, 9, 0.8, 0.0), (1.0, 0, 0.7, 0.0),
-               (0.9, 0, 1.0, 0.05), (1.1, 25, 0.9, 0.01), (1.0, 0, 1.0, 0.0)]
+    configs = [
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 4, 1.0, 0.0),
+        (1.0, 9, 0.8, 0.0),
+        (1.0, 0, 0.7, 0.0),
+        (0.9, 0, 1.0, 0.05),
+        (1.1, 25, 0.9, 0.01),
+        (1.0, 0, 1.0, 0.0),
+    ]
     params, seeds = stack_params(configs), random_seeds(n, seed=15)
     assert_margins(logits, configs)
     one_chunk = draw("triton", logits, params, seeds)
@@ -424,8 +478,14 @@ def test_same_seed_same_token_whatever_the_batch(name):
     g = torch.Generator().manual_seed(9)
     n, v = 6, 64
     logits = torch.randn(n, v, generator=g) * 2
-    configs = [(1.0, 0, 1.0, 0.0), (0.7, 8, 1.0, 0.0), (1.2, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.05),
-               (1.0, 20, 0.9, 0.01), (0.0, 0, 1.0, 0.0)]
+    configs = [
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 8, 1.0, 0.0),
+        (1.2, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.05),
+        (1.0, 20, 0.9, 0.01),
+        (0.0, 0, 1.0, 0.0),
+    ]
     params, seeds = stack_params(configs), random_seeds(n, seed=16)
     alone = sample(logits, *params, seeds)
 
@@ -436,8 +496,10 @@ def test_same_seed_same_token_whatever_the_batch(name):
     # interleaved with other rows (other logits, parameters and seeds)
     mates = torch.randn(n, v, generator=g)
     mixed_logits = torch.stack([mates, logits], dim=1).reshape(2 * n, v)
-    mixed_params = [torch.stack([m, t], dim=1).flatten() for m, t in
-                    zip(stack_params([(1.5, 3, 0.5, 0.2)] * n), params)]
+    mixed_params = [
+        torch.stack([m, t], dim=1).flatten()
+        for m, t in zip(stack_params([(1.5, 3, 0.5, 0.2)] * n), params)
+    ]
     mixed_seeds = torch.stack([random_seeds(n, seed=17), seeds], dim=1).flatten()
     mixed = sample(mixed_logits, *mixed_params, mixed_seeds)
     assert mixed[1::2].tolist() == alone.tolist()
@@ -456,7 +518,9 @@ def test_different_seeds_give_different_draws(name):
     flat = torch.zeros(n, v)
     params = rows(n)
     by_seed = SAMPLERS[name](flat, *params, torch.arange(n, dtype=torch.long) * 7919)
-    high_bits = SAMPLERS[name](flat, *params, (torch.arange(n, dtype=torch.long) << 33) | 5)  # low 32 bits alike
+    high_bits = SAMPLERS[name](
+        flat, *params, (torch.arange(n, dtype=torch.long) << 33) | 5
+    )  # low 32 bits alike
     repeated = SAMPLERS[name](flat, *params, torch.full((n,), 123456789, dtype=torch.long))
     # 16 uniform draws over 64 tokens: about 14 distinct
     assert by_seed.unique().numel() >= 9
