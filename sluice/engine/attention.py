@@ -201,10 +201,10 @@ def plan_torch_attention(
         if ctx > 0 or (win is not None and length > win):
             pos = np.arange(length)
             qpos = np.arange(ctx, length)[:, None]
-            mask = pos[None, :] <= qpos
+            allowed = pos[None, :] <= qpos
             if win is not None:
-                mask &= pos[None, :] > qpos - win
-            mask = dev(mask)
+                allowed &= pos[None, :] > qpos - win
+            mask = dev(allowed)
         blocks = dev((bt[b, : -(-length // bs)][None, :] * num_kv_heads + heads).reshape(-1))
         prefills.append(_Prefill(start, start + q, blocks, length, mask, ctx == 0))
     rows = dev(_write_rows(plan.slot_mapping_host, bs, num_kv_heads)) if write_rows else None
@@ -226,7 +226,8 @@ def _decode_attention(
 
     def per_block(a: torch.Tensor, cache: torch.Tensor, dup, transpose: bool) -> torch.Tensor:
         """a [rows, Hkv, G, x] @ each row's block of `cache` (transposed: scores q @ K^T; else
-        outputs p @ V) -> [rows + 1, Hkv, G, bs or D], the last row zeros (what `grid` padding reads)"""
+        outputs p @ V) -> [rows + 1, Hkv, G, bs or D], the last row zeros (what `grid` padding
+        reads)"""
         width = bs if transpose else d
         out = a.new_empty(p.num_rows + 1, hkv, g, width)
         out[p.num_rows].zero_()

@@ -44,7 +44,8 @@ def hash_block(parent_hash: bytes, token_ids: _Seq[int]) -> bytes:
 def prefix_block_hashes(
     token_ids: _Seq[int], block_size: int, cache_salt: str | None = None
 ) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids` (what a router can use for cache affinity)."""
+    """Chained hashes of every full block of `token_ids` (what a router can use for cache
+    affinity)."""
     out: list[bytes] = []
     parent = root_hash(cache_salt)
     for i in range(len(token_ids) // block_size):
@@ -92,7 +93,8 @@ class BlockManager:
         return len(self._free_cached)
 
     def usage(self) -> float:
-        """Fraction of usable blocks referenced by some sequence (cached free blocks count as free)."""
+        """Fraction of usable blocks referenced by some sequence (cached free blocks count as
+        free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def prefix_hit_rate(self) -> float:
@@ -129,7 +131,8 @@ class BlockManager:
         return hits
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens `allocate` would take from the prefix cache for a seq holding no blocks (no side effects)."""
+        """Tokens `allocate` would take from the prefix cache for a seq holding no blocks (no side
+        effects)."""
         return len(self._lookup(seq)) * self.block_size
 
     # --- allocation -------------------------------------------------------------------------
@@ -152,7 +155,7 @@ class BlockManager:
         elif self._free_cached:
             block, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
             h = self.block_hash[block]
-            if self._hash_to_block.get(h) == block:
+            if h is not None and self._hash_to_block.get(h) == block:
                 del self._hash_to_block[h]
             self.block_hash[block] = None
         else:

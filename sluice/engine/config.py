@@ -63,7 +63,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Build from a HF config.json dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`)."""
+        """Build from a HF config.json dict (transformers 4.x `rope_scaling` or 5.x
+        `rope_parameters`)."""
         archs = d.get("architectures") or []
         arch = None
         for a in archs:
@@ -74,7 +75,8 @@ class ModelConfig:
             arch = d["model_type"]  # config saved from a bare config object
         if arch is None:
             raise _error(
-                f"{source}: unknown architecture {archs or d.get('model_type')!r} in field 'architectures'; "
+                f"{source}: unknown architecture {archs or d.get('model_type')!r} "
+                "in field 'architectures'; "
                 f"supported: {sorted(HF_ARCHITECTURES)}",
                 "architectures",
             )
@@ -103,7 +105,8 @@ class ModelConfig:
         head_dim = int(d.get("head_dim") or hidden // heads)
         if heads % kv_heads:
             raise _error(
-                f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}",
+                f"{source}: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={kv_heads}",
                 "num_key_value_heads",
             )
 
@@ -147,7 +150,7 @@ class ModelConfig:
         )
 
 
-def normalize_rope_scaling(params: dict, rope_type: str, source: str) -> dict | None:
+def normalize_rope_scaling(params: dict, rope_type: str | None, source: str) -> dict | None:
     """HF-style scaling dict with a `rope_type` key, or None for plain rotary."""
     if rope_type in (None, "default"):
         return None
@@ -186,12 +189,14 @@ class EngineConfig:
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(
-                f"unsupported quantization {self.quantization!r}; choose one of {list(QUANTIZATIONS)}",
+                f"unsupported quantization {self.quantization!r}; "
+                f"choose one of {list(QUANTIZATIONS)}",
                 field="quantization",
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
-                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {list(KV_CACHE_DTYPES)}",
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"choose one of {list(KV_CACHE_DTYPES)}",
                 field="kv_cache_dtype",
             )
 
@@ -212,7 +217,8 @@ class EngineConfig:
 
 
 def torch_dtype(dtype):
-    """The torch dtype named "float32", "bfloat16" or "float16" (a torch dtype is returned as is)."""
+    """The torch dtype named "float32", "bfloat16" or "float16" (a torch dtype is returned as
+    is)."""
     import torch
 
     if isinstance(dtype, torch.dtype):

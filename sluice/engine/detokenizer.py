@@ -28,7 +28,8 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
     ):
-        # prompt_token_ids: unused; decoding works on the output's own bytes, so it needs no context.
+        # prompt_token_ids: unused; decoding works on the output's own bytes, so it needs no
+        # context.
         self._table = tokenizer.token_bytes
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._strip_first_space = getattr(tokenizer, "strips_leading_space", False)
@@ -36,7 +37,8 @@ class IncrementalDetokenizer:
         if any(not s for s in stop):
             raise EngineError("stop strings must be non-empty", "stop")
         self._stops = tuple(dict.fromkeys(stop))
-        # Every proper prefix of a stop string: a suffix of the text in this set may be a stop starting.
+        # Every proper prefix of a stop string: a suffix of the text in this set may be a stop
+        # starting.
         self._stop_prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
         self._longest_prefix = max((len(s) - 1 for s in self._stops), default=0)
         self._held = ""  # decoded text not yet emitted because it may start a stop string
@@ -46,7 +48,8 @@ class IncrementalDetokenizer:
         self.stop_string: str | None = None  # which one
 
     def add(self, new_token_ids: Iterable[int]) -> tuple[str, bool]:
-        """Feed the newly sampled ids. Returns (text safe to emit now, whether a stop string was hit)."""
+        """Feed the newly sampled ids. Returns (text safe to emit now, whether a stop string was
+        hit)."""
         if self.stopped:
             return "", True
         table, skip, size = self._table, self._skip, len(self._table)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -449,7 +450,11 @@ class LLMEngine:
                 "give exactly one of prompts, prompt_token_ids or messages", field="prompt"
             )
         kind, items = kinds[0]
-        per_item = list(params) if isinstance(params, (list, tuple)) else [params] * len(items)
+        per_item: list[SamplingParams | None]
+        if params is None or isinstance(params, SamplingParams):
+            per_item = [params] * len(items)
+        else:
+            per_item = list(params)
         if len(per_item) != len(items):
             raise EngineError(
                 f"{len(per_item)} sampling params for {len(items)} prompts", field="params"
@@ -457,7 +462,8 @@ class LLMEngine:
         ids = []
         try:
             for item, p in zip(items, per_item):
-                ids.append(self.add_request(None, params=p, cache_salt=cache_salt, **{kind: item}))
+                given: dict[str, Any] = {kind: item}
+                ids.append(self.add_request(None, params=p, cache_salt=cache_salt, **given))
         except EngineError:
             for rid in ids:
                 self.abort(rid)

@@ -47,7 +47,8 @@ def check_prompt_fits(
     num_tokens: int, max_model_len: int, field: str = "prompt", detail: str = ""
 ) -> None:
     """The one check that a prompt leaves room to generate: at least one token must fit after it
-    in the model's context. `detail` is added after the prompt's length (e.g. where it came from)."""
+    in the model's context. `detail` is added after the prompt's length (e.g. where it came
+    from)."""
     if num_tokens >= max_model_len:
         raise EngineError(
             f"the prompt has {num_tokens} tokens{detail}; the model's context is {max_model_len} "

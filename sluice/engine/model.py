@@ -57,10 +57,11 @@ class DecoderLayer(nn.Module):
         self.eps = c.rms_norm_eps
         self.input_norm = frozen_parameter(w.input_norm)
         self.post_attention_norm = frozen_parameter(w.post_attention_norm)
-        self.qkv = Linear(w.qkv, w.qkv_bias)
-        self.o_proj = Linear(w.o, w.o_bias)
-        self.gate_up = Linear(w.gate_up)
-        self.down = Linear(w.down)
+        # Linear as loaded; another form of `weights` after packing or quantizing
+        self.qkv: nn.Module = Linear(w.qkv, w.qkv_bias)
+        self.o_proj: nn.Module = Linear(w.o, w.o_bias)
+        self.gate_up: nn.Module = Linear(w.gate_up)
+        self.down: nn.Module = Linear(w.down)
 
     def forward(
         self,
@@ -91,12 +92,13 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Module = Embedding(weights.embed)
+        embed = Embedding(weights.embed)
+        self.embed_tokens: nn.Module = embed  # another form after `weights.quantize_int8`
         self.layers = nn.ModuleList(DecoderLayer(config, w) for w in weights.layers)
         self.norm = frozen_parameter(weights.norm)
         self.eps = config.rms_norm_eps
-        head = self.embed_tokens.weight if weights.lm_head is None else weights.lm_head
-        self.lm_head: nn.Module = Linear(head)
+        head = embed.weight if weights.lm_head is None else weights.lm_head
+        self.lm_head: nn.Module = Linear(head)  # another form after packing or quantizing
         self.rotary = RotaryEmbedding(config, device=weights.embed.device)
         self.dtype = weights.embed.dtype
         self.ops: KernelOps = ops or TorchOps()

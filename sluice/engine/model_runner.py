@@ -53,7 +53,8 @@ def kv_cache_budget(engine_config: EngineConfig) -> int:
 
 
 def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int:
-    """Number of KV blocks that fit the budget (never more than max_num_seqs full-length seqs need)."""
+    """Number of KV blocks that fit the budget (never more than max_num_seqs full-length seqs
+    need)."""
     per_block = bytes_per_block(
         model_config, engine_config.block_size, engine_config.kv_torch_dtype
     )
@@ -119,8 +120,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
-        """Run the batch's new tokens (after its block copies); float32 logits [num sampled seqs, V],
-        rows in the order of the seqs with sample=True."""
+        """Run the batch's new tokens (after its block copies); float32 logits
+        [num sampled seqs, V], rows in the order of the seqs with sample=True."""
         self.copy_blocks(batch.block_copies)
         ids: list[int] = []
         query_lens, seq_lens, tables = [], [], []

@@ -26,9 +26,7 @@ class LayerKVCache:
     v_scale: torch.Tensor | None = None
 
     @classmethod
-    def allocate(
-        cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device
-    ) -> LayerKVCache:
+    def allocate(cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device) -> LayerKVCache:
         k = torch.zeros(shape, dtype=dtype, device=device)
         v = torch.zeros(shape, dtype=dtype, device=device)
         if dtype not in QUANTIZED_KV_DTYPES:

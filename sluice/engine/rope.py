@@ -2,7 +2,8 @@
 
 The inverse frequencies follow transformers' `modeling_rope_utils` formulas step by step, so
 positions rotate bit-for-bit as they do there. cos/sin are computed per step for the positions in
-the batch (a [T, D/2] outer product: cheaper than a table for long contexts) and shared by all layers.
+the batch (a [T, D/2] outer product: cheaper than a table for long contexts) and shared by all
+layers.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def _yarn(theta: float, dim: int, s: dict, max_pos: int) -> tuple[torch.Tensor, 
 def inv_freq_and_scale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] (float32) and the factor applied to cos/sin."""
     dim, theta, s = config.head_dim, config.rope_theta, config.rope_scaling
-    kind = (s or {}).get("rope_type", "default")
+    if s is None:
+        return _base_inv_freq(theta, dim), 1.0
+    kind = s.get("rope_type", "default")
     if kind == "default":
         return _base_inv_freq(theta, dim), 1.0
     if kind == "linear":
@@ -86,6 +89,8 @@ def inv_freq_and_scale(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         inv_freq, self.scale = inv_freq_and_scale(config)
@@ -104,7 +109,8 @@ class RotaryEmbedding(torch.nn.Module):
 
 def full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, 1, D/2] cos, sin -> [T, 1, D] (cos, cos) and (-sin, sin): the layout in which
-    `apply_rotary` needs four operations instead of seven (build once per step, use in every layer)."""
+    `apply_rotary` needs four operations instead of seven (build once per step, use in every
+    layer)."""
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 

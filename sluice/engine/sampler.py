@@ -69,12 +69,14 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
     ) -> SamplerOutput:
-        """logits: [N, V], rows in the order of `seqs`; a seq needs `token_ids` (prompt + output) and
-        `num_prompt_tokens`. A generator must live on the logits' device. `logits` is not modified."""
+        """logits: [N, V], rows in the order of `seqs`; a seq needs `token_ids` (prompt + output)
+        and `num_prompt_tokens`. A generator must live on the logits' device. `logits` is not
+        modified."""
         n = logits.shape[0]
         if not (len(seqs) == len(params) == len(generators) == n):
             raise ValueError(
-                f"{n} logit rows but {len(seqs)} seqs, {len(params)} params, {len(generators)} generators"
+                f"{n} logit rows but {len(seqs)} seqs, {len(params)} params, "
+                f"{len(generators)} generators"
             )
         if n == 0:
             return SamplerOutput([], [])
@@ -296,7 +298,7 @@ def _fill_logprobs(
     chosen_ids = tokens[index]
     chosen = lp.gather(1, chosen_ids.unsqueeze(1))
     ranks = (lp > chosen).sum(dim=-1, dtype=torch.int32) + 1
-    k = max(params[i].logprobs for i in rows)
+    k = max(params[i].logprobs or 0 for i in rows)
     if k:
         top = lp.topk(k, dim=-1)
         top_v, top_i = top.values.tolist(), top.indices.tolist()

@@ -1,4 +1,5 @@
-"""How one request wants its tokens chosen and when to stop; the names and ranges follow vLLM/OpenAI."""
+"""How one request wants its tokens chosen and when to stop; the names and ranges follow
+vLLM/OpenAI."""
 
 from __future__ import annotations
 

@@ -45,7 +45,8 @@ def _key(seq: Sequence) -> tuple[int, float, int]:
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # decodes first, then prefills (chunks)
-    # Per seq: tokens computed this step, i.e. token_ids[num_computed_tokens : num_computed_tokens + n].
+    # Per seq: tokens computed this step, i.e. token_ids[num_computed_tokens : num_computed_tokens +
+    # n].
     num_new_tokens: list[int] = field(default_factory=list)
     # Per seq: True when this step reaches the seq's last token, so its last logits are sampled.
     sample: list[bool] = field(default_factory=list)
@@ -105,8 +106,9 @@ class BatchScheduler:
                 else "max_tokens"
             )
             raise EngineError(
-                f"the request may need {self.max_kv_tokens(seq)} tokens of KV cache ({need} blocks of "
-                f"{bm.block_size}) but the cache holds only {bm.num_usable_blocks} blocks",
+                f"the request may need {self.max_kv_tokens(seq)} tokens of KV cache "
+                f"({need} blocks of {bm.block_size}) but the cache holds only "
+                f"{bm.num_usable_blocks} blocks",
                 field=culprit,
                 code=ErrorCode.EXCEEDS_KV_CACHE,
             )
@@ -157,7 +159,8 @@ class BatchScheduler:
         seq.status = SequenceStatus.FINISHED
 
     def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of `request_id` (its samples `request_id#i` too), freeing blocks now."""
+        """Finish every sequence of `request_id` (its samples `request_id#i` too), freeing blocks
+        now."""
         group = request_id + "#"
         hit = [
             s
@@ -268,7 +271,8 @@ class BatchScheduler:
                 if not self.running and not chosen:
                     raise RuntimeError(
                         f"{seq!r} cannot be scheduled even with an empty KV cache "
-                        f"({bm.num_usable_blocks} blocks); was it grown past max_tokens/max_model_len?"
+                        f"({bm.num_usable_blocks} blocks); "
+                        "was it grown past max_tokens/max_model_len?"
                     )
                 break
             self.waiting.pop(0)

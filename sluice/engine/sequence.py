@@ -109,13 +109,15 @@ class Sequence:
 
     @property
     def max_len(self) -> int:
-        """Longest the sequence may grow (prompt + max_tokens); the engine also caps it at max_model_len."""
+        """Longest the sequence may grow (prompt + max_tokens); the engine also caps it at
+        max_model_len."""
         return self.num_prompt_tokens + self.max_tokens
 
     # --- state ------------------------------------------------------------------------------
     @property
     def is_prefill_done(self) -> bool:
-        """True once every prompt token is in the KV cache (after a preemption it turns False again)."""
+        """True once every prompt token is in the KV cache (after a preemption it turns False
+        again)."""
         return self.num_computed_tokens >= self.num_prompt_tokens
 
     @property
@@ -164,6 +166,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.name}, "
-            f"tokens={self.num_tokens} (prompt {self.num_prompt_tokens}), computed={self.num_computed_tokens}, "
+            f"tokens={self.num_tokens} (prompt {self.num_prompt_tokens}), "
+            f"computed={self.num_computed_tokens}, "
             f"blocks={self.block_table})"
         )

@@ -4,9 +4,9 @@ One `Tokenizer` class wraps a `tokenizers` fast tokenizer, whichever way it was 
 
 - `from_hf_dir(dir)`: a Hugging Face model directory (tokenizer.json, tokenizer_config.json, and
   optionally chat_template.jinja / generation_config.json).
-- `from_gguf(reader)`: a GGUF file has no tokenizer.json; it stores vocabulary, merges, token types and
-  special ids as metadata under llama.cpp's key names. We rebuild the byte-level BPE tokenizer from
-  those. The pre-tokenizer (how text is cut into words before BPE) is not stored, only named
+- `from_gguf(reader)`: a GGUF file has no tokenizer.json; it stores vocabulary, merges, token types
+  and special ids as metadata under llama.cpp's key names. We rebuild the byte-level BPE tokenizer
+  from those. The pre-tokenizer (how text is cut into words before BPE) is not stored, only named
   (`tokenizer.ggml.pre`); we map the name to the split rules the vocabulary was trained with, as
   llama.cpp does. For SmolLM2 ("smollm") that is: every numeral on its own, then GPT-2's word regex
   (the original tokenizer.json has Digits(individual_digits) before ByteLevel).
@@ -105,7 +105,8 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 class Tokenizer:
-    """A fast tokenizer plus what serving needs around it: special ids, chat template, token bytes."""
+    """A fast tokenizer plus what serving needs around it: special ids, chat template, token
+    bytes."""
 
     def __init__(
         self,
@@ -133,7 +134,8 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json)."""
+        """Load tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
+        generation_config.json)."""
         path = os.fspath(path)
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
@@ -198,7 +200,7 @@ class Tokenizer:
         token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         pre = meta.get("tokenizer.ggml.pre") or "default"
 
-        vocab = {}
+        vocab: dict[str, int] = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)
         split = _GGUF_PRE_TOKENIZERS.get(pre)
@@ -207,7 +209,7 @@ class Tokenizer:
             split = "gpt2"
         bpe = models.BPE(
             vocab=vocab,
-            merges=[tuple(m.split(" ", 1)) for m in merges],
+            merges=[_merge_pair(m) for m in merges],
             ignore_merges=split in _IGNORE_MERGES,
         )
         backend = tokenizers.Tokenizer(bpe)
@@ -263,7 +265,8 @@ class Tokenizer:
     # ------------------------------------------------------------------ text <-> ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) are recognised."""
+        """Token ids of `text`. Special tokens written in the text (e.g. <|im_start|>) are
+        recognised."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -294,7 +297,8 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """Render the conversation with the model's jinja chat template (sandboxed, as transformers does)."""
+        """Render the conversation with the model's jinja chat template (sandboxed, as transformers
+        does)."""
         if not self.chat_template:
             raise EngineError(
                 "the model has no chat template; send a plain prompt instead", "chat_template"
@@ -313,13 +317,17 @@ class Tokenizer:
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Token ids of the rendered conversation. The template writes its own BOS, so none is added."""
+        """Token ids of the rendered conversation. The template writes its own BOS, so none is
+        added."""
         return self.encode(
             self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
         )
 
     def __repr__(self) -> str:
-        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos={self.eos_token_ids})"
+        return (
+            f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+            f"eos={self.eos_token_ids})"
+        )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -346,7 +354,8 @@ def _byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
 def _set_post_processor(
     backend: tokenizers.Tokenizer, tokens: list[str], bos: int | None, eos: int | None
 ) -> None:
-    """Add BOS/EOS around encoded text when the file asks for it (tokenizer.ggml.add_{bos,eos}_token)."""
+    """Add BOS/EOS around encoded text when the file asks for it
+    (tokenizer.ggml.add_{bos,eos}_token)."""
     if bos is None and eos is None:
         return
     pre = [(tokens[bos], bos)] if bos is not None else []
@@ -494,7 +503,8 @@ def _tojson(
     separators=None,
     sort_keys=False,
 ) -> str:
-    # jinja's own tojson escapes HTML characters; chat templates want plain JSON, as transformers gives.
+    # jinja's own tojson escapes HTML characters; chat templates want plain JSON, as transformers
+    # gives.
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -515,6 +525,12 @@ def _compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as e:
         raise ModelError(f"invalid jinja template: {e}", "chat_template") from e
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """A GGUF merge rule "left right" as the pair BPE takes."""
+    left, _, right = merge.partition(" ")
+    return left, right
 
 
 class _GGUFMeta:
@@ -540,7 +556,8 @@ class _GGUFMeta:
 
 
 def _gguf_field_value(field: Any) -> Any:
-    """Decode a gguf.ReaderField. Newer gguf versions have `.contents()`; older ones only `.parts`."""
+    """Decode a gguf.ReaderField. Newer gguf versions have `.contents()`; older ones only
+    `.parts`."""
     if hasattr(field, "contents"):
         return field.contents()
     import gguf  # only reached with old gguf versions

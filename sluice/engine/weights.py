@@ -13,22 +13,34 @@ own way instead (`KernelOps.linear`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError
 
+if TYPE_CHECKING:
+    from .model import CausalLM, DecoderLayer
 
-def frozen_parameter(t: torch.Tensor | None) -> nn.Parameter | None:
-    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+def frozen_parameter(t: torch.Tensor) -> nn.Parameter:
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+
+
+def optional_parameter(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else frozen_parameter(t)
 
 
 class Linear(nn.Module):
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else frozen_parameter(weight)
-        self.bias = frozen_parameter(bias)
+        self.weight = frozen_parameter(weight)  # a tied head shares the embedding's parameter
+        self.bias = optional_parameter(bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -72,7 +84,10 @@ def packed_linear(
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None):
+    packed: torch.Tensor
+    bias: nn.Parameter | None
+
+    def __init__(self, packed: torch.Tensor, bias: nn.Parameter | None):
         super().__init__()
         self.register_buffer("packed", packed, persistent=False)
         self.bias = bias
@@ -90,7 +105,11 @@ class PackedLinear(nn.Module):
 class Int8Linear(nn.Module):
     """Weight-only int8 (`kernels.int8_linear`): qweight int8 [N, K], scale float32 [N]."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    bias: nn.Parameter | None
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None):
         super().__init__()
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
@@ -109,6 +128,8 @@ class Int8Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    weight: nn.Parameter
+
     def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = frozen_parameter(weight)
@@ -119,6 +140,9 @@ class Embedding(nn.Module):
 
 class Int8Embedding(nn.Module):
     """Rows of int8 codes with one float32 scale each, returned in `dtype`."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         super().__init__()
@@ -134,7 +158,7 @@ class Int8Embedding(nn.Module):
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear modules of a decoder layer
 
 
-def transform_weights(model: nn.Module, quantization: str | None) -> None:
+def transform_weights(model: CausalLM, quantization: str | None) -> None:
     """What the engine does to a built model: "int8" quantizes it (`quantize_int8`); None packs
     its matmul weights for oneDNN where that is available (`pack_for_onednn`)."""
     if quantization == "int8":
@@ -145,39 +169,44 @@ def transform_weights(model: nn.Module, quantization: str | None) -> None:
         raise ConfigError(f"unsupported quantization {quantization!r}", field="quantization")
 
 
-def quantize_int8(model: nn.Module) -> None:
+def _layers(model: CausalLM) -> list[DecoderLayer]:
+    return list(model.layers)  # type: ignore[arg-type]  # a ModuleList of DecoderLayers
+
+
+def quantize_int8(model: CausalLM) -> None:
     """Weight-only int8 wherever a matrix is multiplied: the four projections of every layer and
     the vocabulary matrices. The embedding's rows are the tied LM head's output channels, so one
     int8 copy with per-row scales serves both the lookup and the head. Norm weights stay in the
     model dtype. Replaces oneDNN packing (the two are not combined)."""
     from .kernels.int8_linear import quantize_int8 as quantize
 
-    if isinstance(model.lm_head, PackedLinear):
+    head, embed = model.lm_head, model.embed_tokens
+    if not isinstance(head, Linear) or not isinstance(embed, Embedding):
         raise RuntimeError("quantize before packing: packed weights cannot be quantized")
-    for layer in model.layers:
+    for layer in _layers(model):
         for name in PROJECTIONS:
             setattr(layer, name, Int8Linear.quantize(getattr(layer, name)))
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    q, scale = quantize(model.embed_tokens.weight.data)
-    dtype = model.embed_tokens.weight.dtype
-    model.embed_tokens = Int8Embedding(q, scale, dtype)
-    model.lm_head = Int8Linear(q, scale, None) if tied else Int8Linear.quantize(model.lm_head)
+    q, scale = quantize(embed.weight.data)
+    model.embed_tokens = Int8Embedding(q, scale, embed.weight.dtype)
+    tied = head.weight is embed.weight
+    model.lm_head = Int8Linear(q, scale, None) if tied else Int8Linear.quantize(head)
 
 
-def pack_for_onednn(model: nn.Module) -> bool:
+def pack_for_onednn(model: CausalLM) -> bool:
     """Hand the matmul weights to oneDNN in its packed layout (CPU only; see PACK_BATCH_HINT).
 
     A tied LM head gets a packed copy of its own (the embedding lookup needs the plain matrix).
     Returns False, changing nothing, where the packed path is unavailable."""
     if isinstance(model.lm_head, PackedLinear):
         return True
-    if isinstance(model.lm_head, Int8Linear):
-        return False
+    if not isinstance(model.lm_head, Linear):
+        return False  # quantized
+    layers = _layers(model)
     head = PackedLinear.pack(model.lm_head)
-    first = [PackedLinear.pack(getattr(model.layers[0], name)) for name in PROJECTIONS]
+    first = [PackedLinear.pack(getattr(layers[0], name)) for name in PROJECTIONS]
     if head is None or any(p is None for p in first):
         return False
-    for n, layer in enumerate(model.layers):
+    for n, layer in enumerate(layers):
         packed = (
             first if n == 0 else [PackedLinear.pack(getattr(layer, name)) for name in PROJECTIONS]
         )

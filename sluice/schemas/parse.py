@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic_core import ErrorDetails
 
 from .events import EVENT_TYPES, ErrorCode, ErrorEvent, OutputEvent
 from .request import GenerateRequest, _request_id, _session_id, _topic
@@ -146,7 +147,7 @@ _TYPE_REASONS = {
 }
 
 
-def _reason(err: dict[str, Any]) -> str:
+def _reason(err: ErrorDetails) -> str:
     """The reason of one pydantic error, in the words of the wire format."""
     kind = err["type"]
     ctx = err.get("ctx") or {}
@@ -191,7 +192,7 @@ def _known_fields(parent: tuple[Any, ...]) -> list[str]:
     return []
 
 
-def _field_of(err: dict[str, Any]) -> str | None:
+def _field_of(err: ErrorDetails) -> str | None:
     path = ".".join(str(p) for p in err["loc"])
     if path:
         return _utf8_safe(path)

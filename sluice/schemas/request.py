@@ -211,11 +211,15 @@ class GenerateRequest(BaseModel):
     # identity and routing
     request_id: RequestId = Field(
         default_factory=new_request_id,
-        description="Client-chosen id, echoed on every event; a uuid4 hex is generated when absent.",
+        description=(
+            "Client-chosen id, echoed on every event; a uuid4 hex is generated when absent."
+        ),
     )
     session_id: SessionId | None = Field(
         None,
-        description="Conversation id: turns of one session reuse the cached prefix of earlier ones.",
+        description=(
+            "Conversation id: turns of one session reuse the cached prefix of earlier ones."
+        ),
     )
     tenant: Tenant | None = Field(
         None, description="Tenant; sessions and prefix caches are kept apart per tenant."

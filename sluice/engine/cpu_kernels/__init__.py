@@ -50,7 +50,8 @@ _state: dict[str, object] = {}
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first call; None where they cannot be (see unavailable_reason)."""
+    """The compiled kernels, built on first call; None where they cannot be (see
+    unavailable_reason)."""
     with _lock:
         if "lib" not in _state:
             try:
@@ -86,7 +87,8 @@ def _cache_dir() -> Path:
 
 
 def _cpu_signature() -> str:
-    """The CPU model and feature flags: a library built with -march=native runs only where they match."""
+    """The CPU model and feature flags: a library built with -march=native runs only where they
+    match."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [line for line in f if line.startswith(("model name", "flags"))]
@@ -142,7 +144,8 @@ def _load() -> ctypes.CDLL:
 def _build(cc: str, flags: list[str], sources: list[Path], target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        # build beside the target, then rename: processes starting together never load a half-written file
+        # build beside the target, then rename: processes starting together never load a
+        # half-written file
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
     except OSError as e:

@@ -1,5 +1,6 @@
 """What the two attention kernels (`paged_decode`, `paged_prefill`) require of their arguments:
-the types and shapes their vectorized code serves, and the layout checks both make before calling C."""
+the types and shapes their vectorized code serves, and the layout checks both make before calling
+C."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale) -> int:
     for name, t in (("q", q), ("out", out)):
         if t.stride(2) != 1 or t.stride(1) != d:
             raise ValueError(
-                f"{name}: each token's heads must be contiguous [Hq, D] rows, got strides {t.stride()}"
+                f"{name}: each token's heads must be contiguous [Hq, D] rows, "
+                f"got strides {t.stride()}"
             )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")

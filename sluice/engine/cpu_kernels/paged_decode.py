@@ -32,18 +32,19 @@ def paged_decode_cpu(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """For each decode i, row tokens[i] of out [T, Hq, D] = attention of q's row tokens[i] [T, Hq, D]
-    over the seq_lens[i] cached positions of its block table (the last sliding_window of them, if set).
+    """For each decode i, row tokens[i] of out [T, Hq, D] = attention of q's row tokens[i]
+    [T, Hq, D] over the seq_lens[i] cached positions of its block table (the last sliding_window of
+    them, if set).
 
     q and out float32 or bfloat16; k_cache, v_cache [num_blocks, Hkv, block_size, D] of q's type, or
-    int8 with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale); block_tables [n, max_blocks] int32;
+    int8 with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale); block_tables
+    [n, max_blocks] int32;
     seq_lens [n] int32; tokens [n] int64; max_seq_len >= every seq_lens[i]."""
     lib = require_library()
     n = tokens.shape[0]
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     kind = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
-    quantized = k_cache.dtype == torch.int8
     if (
         block_tables.dtype != torch.int32
         or seq_lens.dtype != torch.int32
@@ -64,8 +65,8 @@ def paged_decode_cpu(
         n,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        k_scale.data_ptr() if quantized else None,
-        v_scale.data_ptr() if quantized else None,
+        k_scale.data_ptr() if k_scale is not None else None,
+        v_scale.data_ptr() if v_scale is not None else None,
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),

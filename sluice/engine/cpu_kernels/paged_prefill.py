@@ -39,12 +39,12 @@ def paged_prefill_cpu(
     last sliding_window of them for each query, if set); the chunk's K/V are already in the cache.
 
     q and out float32 or bfloat16, the cache of q's type or int8; starts [n] int64, q_lens and
-    seq_lens [n] int32, block_tables [n, max_blocks] int32; an int8 cache comes with k_scale, v_scale [num_blocks, Hkv] float32 (value = stored * scale)."""
+    seq_lens [n] int32, block_tables [n, max_blocks] int32; an int8 cache comes with k_scale,
+    v_scale [num_blocks, Hkv] float32 (value = stored * scale)."""
     lib = require_library()
     _, hq, d = q.shape
     _, hkv, bs, _ = k_cache.shape
     kind = check_attention_args(q, out, k_cache, v_cache, k_scale, v_scale)
-    quantized = k_cache.dtype == torch.int8
     if starts.dtype != torch.int64 or {q_lens.dtype, seq_lens.dtype, block_tables.dtype} != {
         torch.int32
     }:
@@ -63,8 +63,8 @@ def paged_prefill_cpu(
         starts.shape[0],
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        k_scale.data_ptr() if quantized else None,
-        v_scale.data_ptr() if quantized else None,
+        k_scale.data_ptr() if k_scale is not None else None,
+        v_scale.data_ptr() if v_scale is not None else None,
         block_tables.data_ptr(),
         block_tables.stride(0),
         hkv,

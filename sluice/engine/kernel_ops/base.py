@@ -62,7 +62,8 @@ class KernelOps(ABC):
     def add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight * rmsnorm(x + residual), x + residual); residual None: (weight * rmsnorm(x), x)."""
+        """(weight * rmsnorm(x + residual), x + residual); residual None: (weight * rmsnorm(x),
+        x)."""
 
     @abstractmethod
     def rotary_tables(

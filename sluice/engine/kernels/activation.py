@@ -20,7 +20,8 @@ BLOCK_COLS = 1024  # columns per program: SmolLM2's I=1536 gives two programs pe
 def _check(x: torch.Tensor, out: torch.Tensor | None) -> int:
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
         raise ValueError(
-            f"x must be [T, 2*I] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}"
+            f"x must be [T, 2*I] with a contiguous last dim, "
+            f"got {tuple(x.shape)} strides {x.stride()}"
         )
     inter = x.shape[1] // 2
     if out is not None and (
@@ -44,13 +45,13 @@ def silu_and_mul_torch(x: torch.Tensor, *, out: torch.Tensor | None = None) -> t
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
+    mask = cols < inter
     x_row = x_ptr + row * x_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + I + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * out_stride + cols, to_dtype(y, out_ptr.dtype.element_ty), mask=mask)
 

@@ -147,13 +147,14 @@ def int8_linear_torch(
     return out.reshape(*lead, qweight.shape[0])
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Triton
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One launch's tiling: BLOCK_M x BLOCK_N outputs per program, K in BLOCK_K steps, split_k ways."""
+    """One launch's tiling: BLOCK_M x BLOCK_N outputs per program, K in BLOCK_K steps, split_k
+    ways."""
 
     block_m: int
     block_n: int
@@ -172,7 +173,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
-    """Tiles for a [m, k] x [k, n] int8-weight GEMM: decode (m <= 16), mid-size and prefill batches."""
+    """Tiles for a [m, k] x [k, n] int8-weight GEMM: decode (m <= 16), mid-size and prefill
+    batches."""
     wide = dtype == torch.float32  # twice the shared memory per x tile: shorter K steps
     if m <= 16:
         cfg = GemmConfig(16, 64, 64 if wide else 128, num_warps=4, num_stages=4)
@@ -230,10 +232,12 @@ def _int8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """out[M, N] = x[M, K] @ (w[N, K] int8).T * scale[N] + bias[N], or float32 partials per K slice."""
+    """out[M, N] = x[M, K] @ (w[N, K] int8).T * scale[N] + bias[N], or float32 partials per K
+    slice."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    # Grouped order: GROUP_M row tiles sweep the N tiles together, so weight tiles are reused from L2.
+    # Grouped order: GROUP_M row tiles sweep the N tiles together, so weight tiles are reused from
+    # L2.
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -293,7 +297,8 @@ def _split_k_reduce_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out = sum over the SPLIT_K float32 partials [SPLIT_K, M, N], then scale, bias and rounding."""
+    """out = sum over the SPLIT_K float32 partials [SPLIT_K, M, N], then scale, bias and
+    rounding."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]

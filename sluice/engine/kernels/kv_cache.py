@@ -20,9 +20,9 @@ step may have to raise the scale of a block that already holds tokens. The rule,
 
 quant() is round-half-to-even then clamp to [-127, 127] for int8, and clamp to [-448, 448] then
 round-to-nearest-even cast for float8_e4m3fn. So the scale is always max(running absmax / QMAX,
-SCALE_FLOOR) of everything written to the block since it (re)started, and each (re)quantization adds
-at most half a step at the scale of the moment to an entry's error (int8), or 2**-4 relative plus half
-a subnormal step, 2**-10 * s (float8).
+SCALE_FLOOR) of everything written to the block since it (re)started, and each (re)quantization
+adds at most half a step at the scale of the moment to an entry's error (int8), or 2**-4 relative
+plus half a subnormal step, 2**-10 * s (float8).
 
 `dequantize_torch` reads blocks back as floats; `touched_blocks` lists, per block written in a step,
 its first offset, token count and first token (the plan both paths follow).
@@ -129,7 +129,8 @@ def touched_blocks(slot_mapping: torch.Tensor, block_size: int):
 
 
 def _quantize(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 values already divided by the scale -> raw stored values (int8, or uint8 bytes of float8)."""
+    """float32 values already divided by the scale -> raw stored values (int8, or uint8 bytes of
+    float8)."""
     if dtype == torch.int8:
         return y.round().clamp_(-127, 127).to(torch.int8)
     return y.clamp(-448.0, 448.0).to(dtype).view(torch.uint8)
@@ -447,7 +448,8 @@ def _write_kv_quant_kernel(
 
 
 def write_kv_triton(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Triton path; same signature and results as `write_kv_torch` (no host sync: CUDA-graph safe)."""
+    """Triton path; same signature and results as `write_kv_torch` (no host sync: CUDA-graph
+    safe)."""
     quantized = _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T, H, D = k.shape
     if T == 0:

@@ -6,9 +6,9 @@ residual_out = x + residual in the model dtype (rounded like a plain torch add; 
 normed = weight * (r32 * rsqrt(mean(r32 ** 2) + eps)).to(dtype), the cast to the model dtype
 happening before the multiply by the weight, exactly as `sluice.engine.model.RMSNorm` does.
 
-`out` / `residual_out` (keyword-only, optional) are preallocated buffers to write into, e.g. to reuse
-memory across steps; `residual_out` may be `residual` itself (in place). It is ignored when `residual`
-is None.
+`out` / `residual_out` (keyword-only, optional) are preallocated buffers to write into, e.g. to
+reuse memory across steps; `residual_out` may be `residual` itself (in place). It is ignored when
+`residual` is None.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def add_rmsnorm_triton(
     """Triton path, one program per row; same signature and results as `add_rmsnorm_torch`."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(
-            f"x must be [T, H] with a contiguous last dim, got {tuple(x.shape)} strides {x.stride()}"
+            f"x must be [T, H] with a contiguous last dim, "
+            f"got {tuple(x.shape)} strides {x.stride()}"
         )
     T, H = x.shape
     if weight.shape != (H,) or not weight.is_contiguous():
@@ -134,7 +135,7 @@ def add_rmsnorm_triton(
     if out is None:
         out = torch.empty((T, H), dtype=_out_dtype(x, weight), device=x.device)
     has_res = residual is not None
-    if has_res:
+    if residual is not None:
         if residual.shape != x.shape or residual.stride(-1) != 1 or residual.dtype != x.dtype:
             raise ValueError("residual must match x in shape and dtype, with a contiguous last dim")
         if residual_out is None:

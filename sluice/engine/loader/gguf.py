@@ -65,13 +65,15 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute`: within each head, rows (j, i) interleaved -> (i, j) halves."""
+    """Inverse of llama.cpp's `permute`: within each head, rows (j, i) interleaved -> (i, j)
+    halves."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter permutation (HF layout -> GGUF layout); the tests use it to round-trip."""
+    """llama.cpp's converter permutation (HF layout -> GGUF layout); the tests use it to
+    round-trip."""
     rows = w.shape[0]
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 

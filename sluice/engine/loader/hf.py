@@ -1,4 +1,5 @@
-"""HF model directories: config.json + model.safetensors (or shards listed in model.safetensors.index.json)."""
+"""HF model directories: config.json + model.safetensors (or shards listed in
+model.safetensors.index.json)."""
 
 from __future__ import annotations
 
