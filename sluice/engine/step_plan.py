@@ -114,8 +114,11 @@ class StepPlan:
     compact: CompactCache | None = None
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+    def spec(self) -> AttentionSpec:
+        """What the step was planned for, by `KernelOps.plan`."""
+        if self.attention is None:
+            raise ValueError("the step was not planned by a kernel family (KernelOps.plan)")
+        return self.attention
 
     def query_starts_host(self) -> np.ndarray:
         """[B+1] offsets of each sequence's new tokens in the flat batch, on the host."""

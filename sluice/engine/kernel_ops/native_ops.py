@@ -49,7 +49,7 @@ class NativeOps(TorchOps):
         return plan_sdpa_prefills(step, spec)
 
     def write_kv(self, k, v, cache: LayerKVCache, plan: StepPlan) -> None:
-        if not _c_attention(plan.attention)[0]:
+        if not _c_attention(plan.spec)[0]:
             super().write_kv(k, v, cache, plan)
             return
         kv_write.write_kv_native(
@@ -57,7 +57,7 @@ class NativeOps(TorchOps):
         )
 
     def attend(self, q, k, v, cache: LayerKVCache, plan: StepPlan, scale: float) -> torch.Tensor:
-        served, prefill_served = _c_attention(plan.attention)
+        served, prefill_served = _c_attention(plan.spec)
         if not served:
             return super().attend(q, k, v, cache, plan, scale)
         out = torch.empty_like(q)
