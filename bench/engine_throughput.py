@@ -125,7 +125,8 @@ def least_disturbed(run, retries: int, wait_idle: float, label: str):
     for attempt in range(retries + 1):
         if attempt:
             log(
-                f"  {label}: other processes used {best[0].others_cores:.2f} cores meanwhile; running it again"
+                f"  {label}: other processes used {best[0].others_cores:.2f} cores meanwhile; "
+                "running it again"
             )
         wait_for_idle(wait_idle)
         got = run()
@@ -154,7 +155,8 @@ class Progress:
             el = now - self.start
             rate = done / el if el > 0 else 0.0
             log(
-                f"  {self.label}: {done}/{self.total} tokens, {el:.0f} s, {rate:.1f} tok/s (load {loadavg():.2f})"
+                f"  {self.label}: {done}/{self.total} tokens, {el:.0f} s, {rate:.1f} tok/s "
+                f"(load {loadavg():.2f})"
             )
 
 
@@ -198,7 +200,7 @@ def run_roof(a) -> dict:
         xs = {k: torch.randn(m, k, generator=g).to(dtype) for k in {h, cfg.q_size, i}}
         for name, (ws_all, hd) in kernels.items():
 
-            def one_pass():
+            def one_pass(ws_all=ws_all, xs=xs, hd=hd):
                 for ws in ws_all:
                     for w, (_, k) in zip(ws, layer_shapes):
                         linear(xs[k], w)
@@ -242,7 +244,7 @@ def run_roof(a) -> dict:
 
 
 def run_sluice(a) -> dict:
-    torch = setup_torch(a.threads)
+    setup_torch(a.threads)
     from sluice.engine import LLMEngine
     from sluice.engine.config import EngineConfig
     from sluice.engine.sampling_params import SamplingParams
@@ -351,7 +353,8 @@ def run_hf(a) -> dict:
     prompts, single = workload(w, model.config.vocab_size)
     gc = model.generation_config
     pad = gc.pad_token_id if gc.pad_token_id is not None else gc.eos_token_id
-    # Exactly max_new_tokens each: no EOS stop and no logits processor (min_new_tokens would mask EOS).
+    # Exactly max_new_tokens each: no EOS stop and no logits processor
+    # (min_new_tokens would mask EOS).
     gc.eos_token_id = None
     gc.pad_token_id = pad
     gc.do_sample = False
@@ -409,7 +412,7 @@ def run_hf(a) -> dict:
     for bs in a.hf_batch_sizes:
         log(f"hf: {len(prompts)} requests x {w['output_len']} tokens in batches of {bs}")
 
-        def batch_run():
+        def batch_run(bs=bs):
             reset_rss_peak()
             progress = Progress(f"hf batch {bs}", total)
             outputs = []
@@ -705,7 +708,8 @@ def summarize(r: dict) -> None:
     print()
     print(
         f"SmolLM2-135M ({r['dtype']}), {r['machine']['threads']} threads, {r['machine']['cpu']}, "
-        f"torch {r['machine']['torch']}; {n} requests, prompts {w['prompt_min']}-{w['prompt_max']} tokens "
+        f"torch {r['machine']['torch']}; {n} requests, "
+        f"prompts {w['prompt_min']}-{w['prompt_max']} tokens "
         f"({w['prompt_tokens']} in all), {out_len} out each"
     )
     print(
@@ -720,7 +724,8 @@ def summarize(r: dict) -> None:
         print(f"{name:24} {tps:12.1f} {ratio:>9} {frac:>8} {util:>11} {peak_s:>12} {others:6.2f}")
     print()
     print(
-        f"single request ({w['single_prompt_len']} in, {w['single_output_len']} out), median decode time per token:"
+        f"single request ({w['single_prompt_len']} in, {w['single_output_len']} out), "
+        "median decode time per token:"
     )
     for name, side in (("sluice", s), ("HF generate", h)):
         if side:
@@ -730,33 +735,41 @@ def summarize(r: dict) -> None:
                 else ""
             )
             print(
-                f"  {name:12} {side['single_ms_per_token']:7.2f} ms/token ({1000 / side['single_ms_per_token']:.1f} tok/s"
+                f"  {name:12} {side['single_ms_per_token']:7.2f} ms/token "
+                f"({1000 / side['single_ms_per_token']:.1f} tok/s"
                 f"{frac}; others {side['single_others_cores']:.2f} cores)"
             )
     if roof:
         rates = ", ".join(f"M={m}: {v:.0f}" for m, v in roof["rates_gflops"].items())
         print(
-            f"matmul roof at the model's shapes, best kernel (GFLOP/s): {rates}; peak {roof['peak_gflops']:.0f}"
-            f" -> {roof['roof_tok_s']:.0f} tok/s for {roof['params_matmul'] / 1e6:.1f}M matmul parameters"
+            f"matmul roof at the model's shapes, best kernel (GFLOP/s): {rates}; "
+            f"peak {roof['peak_gflops']:.0f}"
+            f" -> {roof['roof_tok_s']:.0f} tok/s "
+            f"for {roof['params_matmul'] / 1e6:.1f}M matmul parameters"
         )
     if s:
         print(
-            f"sluice: load peak RSS {s['load_peak_rss_mib']:.0f} MiB, KV cache {s['kv_cache_mib']:.0f} MiB, "
+            f"sluice: load peak RSS {s['load_peak_rss_mib']:.0f} MiB, "
+            f"KV cache {s['kv_cache_mib']:.0f} MiB, "
             f"{s['steps']} steps, max_num_batched_tokens {s['max_num_batched_tokens']}"
         )
     if h:
         print(
-            f"HF: load peak RSS {h['load_peak_rss_mib']:.0f} MiB; best batch size {h['best_batch_size']}; "
+            f"HF: load peak RSS {h['load_peak_rss_mib']:.0f} MiB; "
+            f"best batch size {h['best_batch_size']}; "
             f"attention {h['attn_implementation']}; transformers {h['transformers']}"
         )
     if s and h:
         print(
-            f"sluice / HF best: throughput x{summary['throughput_ratio']:.2f}; single-request time per "
-            f"token x{summary['single_time_ratio']:.2f} (lower is better); identical greedy outputs "
-            f"{summary['outputs_identical']}/{n} (batch), single {'yes' if summary['single_identical'] else 'no'}"
+            f"sluice / HF best: throughput x{summary['throughput_ratio']:.2f}; "
+            f"single-request time per token x{summary['single_time_ratio']:.2f} (lower is better); "
+            "identical greedy outputs "
+            f"{summary['outputs_identical']}/{n} (batch), "
+            f"single {'yes' if summary['single_identical'] else 'no'}"
         )
     print(
-        "others = cores other processes kept busy meanwhile (a shared machine); above ~0.2 the figure is low"
+        "others = cores other processes kept busy meanwhile (a shared machine); "
+        "above ~0.2 the figure is low"
     )
 
 

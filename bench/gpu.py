@@ -1,10 +1,12 @@
 """One-shot GPU check and timing of sluice's Triton kernels and of engine decode.
 
-    python3 bench/gpu.py                       # on a CUDA machine: the whole run, < 5 minutes on an H200
+    python3 bench/gpu.py                       # on a CUDA machine: the whole run, < 5 minutes
+                                               # on an H200
     python3 bench/gpu.py --sections kernels    # a subset: device, kernels, engine, or units such as
     python3 bench/gpu.py --sections norm,sampling,engine:torch
-    python3 bench/gpu.py --smoke               # no GPU needed: every section on the CPU, tiny shapes,
-                                               # kernels in Triton's interpreter (< 1 minute)
+    python3 bench/gpu.py --smoke               # no GPU needed: every section on the CPU,
+                                               # tiny shapes, kernels in Triton's interpreter
+                                               # (< 1 minute)
     python3 bench/gpu.py --table-from bench/results/gpu.json   # print the table of an earlier run
 
 It is meant to be run once, unattended: every kernel case and every engine variant is wrapped so a

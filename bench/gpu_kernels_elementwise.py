@@ -118,8 +118,13 @@ def cases_activation(ctx: Ctx) -> list[Case]:
         return row
 
     return [
-        Case("silu_and_mul", f"T={T} I={I}", dtype_name(dt), lambda T=T, I=I: run(T, I))
-        for T, I in shapes
+        Case(
+            "silu_and_mul",
+            f"T={T} I={inter}",
+            dtype_name(dt),
+            lambda T=T, inter=inter: run(T, inter),
+        )
+        for T, inter in shapes
     ]
 
 

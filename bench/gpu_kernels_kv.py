@@ -314,7 +314,7 @@ def cases_paged_attention(ctx: Ctx) -> list[Case]:
             L = int(lens[i])
             blocks = tables[i, : int(nblk[i])].long()
 
-            def ctx_of(c, s):
+            def ctx_of(c, s, blocks=blocks, L=L):
                 x = c[blocks].double()
                 if s is not None:
                     x = x * s[blocks].double()[:, :, None, None]

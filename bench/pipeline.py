@@ -10,10 +10,10 @@ Phases, one after the other on this machine:
            same engine settings; a plain aiokafka client publishes all requests at once and reads
            the tokens topic; TTFT and TPOT are measured by the client (publish -> first token
            event; first -> final event), so they include Kafka both ways.
-Each phase then sends 8 other prompts of 64 tokens one at a time (4 tokens out): their TTFT is the latency the
-Kafka path adds to a request that does not queue behind others. During each timed phase the cores
-other processes kept busy are measured ("others"): on one machine the broker, Redis and the
-benchmark's client take CPU from the engine, which a deployment would not.
+Each phase then sends 8 other prompts of 64 tokens one at a time (4 tokens out): their TTFT is the
+latency the Kafka path adds to a request that does not queue behind others. During each timed phase
+the cores other processes kept busy are measured ("others"): on one machine the broker, Redis and
+the benchmark's client take CPU from the engine, which a deployment would not.
 Prompts are text (seeded random tokens decoded), so both sides tokenize the same strings. Greedy,
 ignore_eos: every request produces exactly --output-len tokens on both sides.
 Writes bench/results/pipeline.json, prints a table, and draws each side's TTFT and TPOT
@@ -268,7 +268,8 @@ def main() -> None:
     )
     prompt_tokens = sum(len(tokenizer.encode(p)) for p in prompts)
     log(
-        f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, {args.output_len} output tokens each"
+        f"{len(prompts)} prompts, {prompt_tokens} prompt tokens, "
+        f"{args.output_len} output tokens each"
     )
 
     # prompts of their own, so the prefix cache holds none of them
@@ -307,22 +308,25 @@ def main() -> None:
         print(
             f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
             f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
-            f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms{s['others_cores']:>8.2f}"
+            f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms"
+            f"{s['others_cores']:>8.2f}"
             f"{alone[s['side']] * 1000:>10.0f}ms"
         )
     print(f"\nthroughput ratio (Kafka / in-process): {ratio:.3f}   (target >= 0.9)")
     print(
-        f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms), of which slower steps alone explain "
+        f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms), "
+        "of which slower steps alone explain "
         f"{from_slower_steps_ms:+.0f} ms (in-process p50 TTFT x (wall-time ratio - 1))"
     )
     print(
-        f"added p50 TTFT, one request at a time ({LATENCY_REQUESTS} requests of {LATENCY_PROMPT} tokens, "
+        f"added p50 TTFT, one request at a time "
+        f"({LATENCY_REQUESTS} requests of {LATENCY_PROMPT} tokens, "
         f"{LATENCY_OUTPUT} out): "
         f"{added_alone_ms:+.0f} ms"
     )
     print(
-        "others = cores other processes kept busy during the timed phase (Kafka side: the broker, Redis and "
-        "this client, which share this machine's CPUs with the engine)"
+        "others = cores other processes kept busy during the timed phase (Kafka side: the broker, "
+        "Redis and this client, which share this machine's CPUs with the engine)"
     )
     print(f"written: {RESULTS.relative_to(ROOT)}")
     if plot_pipeline(result, FIGURE):

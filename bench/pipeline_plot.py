@@ -1,8 +1,10 @@
-"""The pipeline benchmark's per-request TTFT and TPOT as cumulative distributions, one line per side.
+"""The pipeline benchmark's per-request TTFT and TPOT as cumulative distributions, one line per
+side.
 
 With all requests queued at once, a table's p50 and p99 hide the shape: whether the Kafka path
 shifts every request by the same few hundred ms (slower steps) or only some of them (the order in
-which partitions were read). Drawn with matplotlib when it is installed (`pip install -e ".[bench]"`).
+which partitions were read). Drawn with matplotlib when it is installed
+(`pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from pathlib import Path
 
 
 def plot_pipeline(result: dict, path: Path) -> bool:
-    """Write the figure for a bench/pipeline.py result to `path`; False when matplotlib is missing."""
+    """Write the figure for a bench/pipeline.py result to `path`; False when matplotlib is
+    missing."""
     try:
         import matplotlib
 
@@ -37,8 +40,10 @@ def plot_pipeline(result: dict, path: Path) -> bool:
         ax.legend(loc="lower right", fontsize=8)
     args = result["args"]
     fig.suptitle(
-        f"{args['num_requests']} requests at once, prompts {args['prompt_min']}-{args['prompt_max']} tokens, "
-        f"{args['output_len']} out, {args['dtype']}: throughput ratio {result['throughput_ratio']:.3f}, "
+        f"{args['num_requests']} requests at once, "
+        f"prompts {args['prompt_min']}-{args['prompt_max']} tokens, "
+        f"{args['output_len']} out, {args['dtype']}: "
+        f"throughput ratio {result['throughput_ratio']:.3f}, "
         f"added p50 TTFT {result['added_p50_ttft_ms']:+.0f} ms",
         fontsize=10,
     )

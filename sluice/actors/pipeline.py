@@ -138,7 +138,8 @@ class Pipeline:
         )
         await self.system.start()
         log.info(
-            "pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, dead letters to %s",
+            "pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, "
+            "dead letters to %s",
             self.role or "all roles",
             topic,
             group,

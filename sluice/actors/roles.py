@@ -1,3 +1,4 @@
-"""The roles a pipeline process can take (`sluice run --role ROLE`), in the order a request meets them."""
+"""The roles a pipeline process can take (`sluice run --role ROLE`), in the order a request meets
+them."""
 
 ROLES = ("tokenizer", "scheduler", "runner", "streamer")

@@ -39,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "chat",
         help="interactive multi-turn chat over Kafka (the session lives in the pipeline)",
-        description="Chat line by line. Each turn publishes only the new user message with the session "
-        "id; the pipeline remembers the conversation (Redis) and reuses its KV cache. "
+        description="Chat line by line. Each turn publishes only the new user message with the "
+        "session id; the pipeline remembers the conversation (Redis) and reuses its KV cache. "
         "EOF or /quit exits.",
     )
     parser.add_argument(
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 def turn_stats(event: FinalEvent) -> str:
     u, t = event.usage, event.timings
     return (
-        f"[cached {u.cached_tokens} of {u.prompt_tokens} prompt tokens; {u.completion_tokens} tokens "
+        f"[cached {u.cached_tokens} of {u.prompt_tokens} prompt tokens; "
+        f"{u.completion_tokens} tokens "
         f"({event.finish_reason}); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}]"
     )
 
@@ -165,7 +166,8 @@ async def chat(args: argparse.Namespace) -> int:
                 left = await follow(stream, reply, [request.request_id], timeout=args.timeout)
                 if left:
                     print(
-                        f"\nsluice chat: no reply within {args.timeout:g} s (request {request.request_id}); "
+                        f"\nsluice chat: no reply within {args.timeout:g} s "
+                        f"(request {request.request_id}); "
                         "is the pipeline running?",
                         file=sys.stderr,
                     )

@@ -158,7 +158,8 @@ def describe_rejection(exc: RequestRejected) -> str:
 
 
 class Publisher:
-    """Publishes requests with sluice's idempotent producer; `publish` returns once Kafka has them."""
+    """Publishes requests with sluice's idempotent producer; `publish` returns once Kafka has
+    them."""
 
     def __init__(self, bootstrap_servers: str):
         self.producer = EventProducer(
@@ -347,7 +348,8 @@ def final_summary(event: FinalEvent) -> str:
     u, t = event.usage, event.timings
     return (
         f"{event.finish_reason}: {u.completion_tokens} tokens; prompt {u.prompt_tokens} "
-        f"({u.cached_tokens} cached); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}, total {ms(t.total_s)}"
+        f"({u.cached_tokens} cached); TTFT {ms(t.ttft_s)}, TPOT {ms(t.tpot_s)}, "
+        f"total {ms(t.total_s)}"
     )
 
 
@@ -440,7 +442,8 @@ class Grouped(Renderer):
             self._at_line_start = text.endswith("\n")
 
     def _show(self, index: int, header: bool = True) -> None:
-        """Print the request at `index` as far as it has arrived; move on while requests are done."""
+        """Print the request at `index` as far as it has arrived; move on while requests are
+        done."""
         while index < len(self.order):
             rid = self.order[index]
             if header and self.headers:

@@ -1,5 +1,5 @@
-"""`sluice produce`: publish requests to PREFIX.requests and print their ids (optionally follow their
-token streams).
+"""`sluice produce`: publish requests to PREFIX.requests and print their ids (optionally follow
+their token streams).
 
 Requests are validated here exactly as the pipeline will validate them, so a typo is reported at
 once, naming the line and field, instead of coming back later as an error event.
@@ -41,9 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "produce",
         help="publish prompts (or a JSON-lines file of requests) and print their request ids",
-        description="Publish requests to PREFIX.requests (key: session id, else request id) and print "
-        "each request id on its own line. Flags set request fields; with --file they are "
-        "defaults for fields a line leaves out.",
+        description="Publish requests to PREFIX.requests (key: session id, else request id) "
+        "and print each request id on its own line. Flags set request fields; with --file they "
+        "are defaults for fields a line leaves out.",
     )
     parser.add_argument(
         "prompts", nargs="*", metavar="PROMPT", help="one request per prompt ('-': read stdin)"
@@ -216,7 +216,8 @@ async def produce(args: argparse.Namespace, requests: list[GenerateRequest]) -> 
         left = await follow(stream, render, ids, timeout=args.timeout)
     if left:
         print(
-            f"sluice produce: gave up after {args.timeout:g} s; unfinished: {' '.join(sorted(left))}",
+            f"sluice produce: gave up after {args.timeout:g} s; "
+            f"unfinished: {' '.join(sorted(left))}",
             file=sys.stderr,
         )
         return EXIT_TIMEOUT

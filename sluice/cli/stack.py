@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         status = stack.status()
         print(
-            f"kafka: {_describe(status.kafka_pid, status.kafka_answers)} {settings.bootstrap_servers}"
+            f"kafka: {_describe(status.kafka_pid, status.kafka_answers)} "
+            f"{settings.bootstrap_servers}"
         )
         print(f"redis: {_describe(status.redis_pid, status.redis_answers)} {settings.redis_url}")
         return 0 if status.healthy else 1

@@ -35,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tail",
         help="print token streams as they arrive (named requests, or all of them)",
-        description="Print token streams from PREFIX.tokens. Duplicate (request_id, seq) events are "
-        "dropped. With REQUEST_IDs: exit once each has a final or error event (status 1 if "
+        description="Print token streams from PREFIX.tokens. Duplicate (request_id, seq) events "
+        "are dropped. With REQUEST_IDs: exit once each has a final or error event (status 1 if "
         "any failed). Without: follow every request until Ctrl-C.",
     )
     parser.add_argument("request_ids", nargs="*", metavar="REQUEST_ID")
@@ -77,7 +77,8 @@ async def tail(args: argparse.Namespace) -> int:
 
         def waiting(missing: list[str]) -> None:
             print(
-                f"sluice tail: waiting for topic {', '.join(missing)} to exist (is `sluice run` started?)",
+                f"sluice tail: waiting for topic {', '.join(missing)} to exist "
+                "(is `sluice run` started?)",
                 file=sys.stderr,
                 flush=True,
             )

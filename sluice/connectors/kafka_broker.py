@@ -293,7 +293,8 @@ class LocalKafka:
             if proc.poll() is not None:
                 raise StackError(
                     f"the Kafka broker exited with code {proc.returncode} while starting. "
-                    f"Last lines of {self.log_file}:\n{tail(self.log_file)}\n{tail(self.stdout_file, 10)}"
+                    f"Last lines of {self.log_file}:\n{tail(self.log_file)}\n"
+                    f"{tail(self.stdout_file, 10)}"
                 )
             if port_answers(LOOPBACK, self.settings.kafka_port) and self.answers(timeout=5):
                 log.info(

@@ -103,9 +103,9 @@ async def test_rejects_cycles_duplicates_and_unknown_receivers():
     a, b = Recorder("a"), Recorder("b")
     system.add(a, sends_to=[b])
     with pytest.raises(ValueError, match="not in the system"):
-        system.actors
+        _ = system.actors
     system.add(b, sends_to=[a])
     with pytest.raises(ValueError, match="cycle"):
-        system.actors
+        _ = system.actors
     with pytest.raises(ValueError, match="already added"):
         system.add(Recorder("a"))

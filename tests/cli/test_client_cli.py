@@ -1,5 +1,6 @@
 """`sluice produce`, `tail` and `chat` as a user runs them, against `sluice run` on the real broker
-and Redis; plus the client's stream handling (duplicates, ordering, file validation) without Kafka."""
+and Redis; plus the client's stream handling (duplicates, ordering, file validation) without
+Kafka."""
 
 from __future__ import annotations
 

@@ -116,8 +116,8 @@ def test_prefill_from_own_kv_equals_reading_the_cache_back():
 
 
 def test_head_size_equal_to_block_size(monkeypatch):
-    """Scores ([.., block]) and outputs ([.., D]) are then the same width: the decode path must still
-    multiply by K transposed for the one and by V as it is for the other."""
+    """Scores ([.., block]) and outputs ([.., D]) are then the same width: the decode path must
+    still multiply by K transposed for the one and by V as it is for the other."""
     monkeypatch.setitem(globals(), "D", BLOCK)
     q, k_cache, v_cache, tables = make_case(torch.float32, seed=7, spread=2)
     step = build_plan(QUERY_LENS, SEQ_LENS, tables)

@@ -129,7 +129,10 @@ def test_hash_is_deterministic_across_processes():
     import subprocess
     import sys
 
-    code = "from sluice.engine.block_manager import prefix_block_hashes as p; print(p(list(range(8)), 4, 's')[1].hex())"
+    code = (
+        "from sluice.engine.block_manager import prefix_block_hashes as p; "
+        "print(p(list(range(8)), 4, 's')[1].hex())"
+    )
     outs = {
         subprocess.run(
             [sys.executable, "-c", code],

@@ -27,7 +27,8 @@ def tok() -> Tokenizer:
 
 
 def stream(tok, ids, stop=(), chunks=None, skip_special_tokens=True):
-    """Feed ids (one at a time, or in the given chunk sizes); return (deltas, stopped, ids consumed)."""
+    """Feed ids (one at a time, or in the given chunk sizes); return (deltas, stopped, ids
+    consumed)."""
     d = IncrementalDetokenizer(tok, [], list(stop), skip_special_tokens)
     deltas, pos, sizes = [], 0, iter(chunks or [])
     while pos < len(ids):
@@ -78,7 +79,8 @@ def test_random_text_streams_exactly(tok, text, seed):
     assert not stopped
     # (SmolLM2's vocabulary lacks a few control bytes such as \x06, so decode may drop them.)
     assert "".join(deltas) == tok.decode(ids)
-    # U+FFFD only where the full decode has one (bytes missing from the vocabulary break a character).
+    # U+FFFD only where the full decode has one (bytes missing from the vocabulary break a
+    # character).
     assert all("\ufffd" not in x for x in deltas) or "\ufffd" in tok.decode(ids)
 
 

@@ -1,8 +1,8 @@
 """The engine on the native CPU kernels (kernels="native", the CPU default: decode and prefill
 attention and the layer's norms, rotary and SiLU-and-multiply in C, on the fused forward) gives the
 torch path's greedy tokens, with chunked prefill, prefix-cache hits, mixed prefill/decode steps,
-shapes the vectorized kernels serve and shapes they do not, and a sliding window. The HF parity tests
-(test_model_vs_hf, test_engine_smollm2) run on the default, so on this path too.
+shapes the vectorized kernels serve and shapes they do not, and a sliding window. The HF parity
+tests (test_model_vs_hf, test_engine_smollm2) run on the default, so on this path too.
 
 In bfloat16 the two paths round at different places, so greedy tokens of random tiny models
 (nearly flat logits) part ways; there the native path must be as close to the float32 model as the

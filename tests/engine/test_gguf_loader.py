@@ -26,7 +26,7 @@ from sluice.engine.loader import build_model, load_model
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
 
-# ---------------------------------------------------------------- reference block decoders (float64)
+# --------------------------------------------------------------- reference block decoders (float64)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -82,28 +82,28 @@ def _ref_k(blocks: np.ndarray, qtype: Q) -> np.ndarray:
             for g in range(4):  # 64 values per group: low nibbles then high nibbles of 32 bytes
                 sc1, m1 = _scale_min_k4(2 * g, scales)
                 sc2, m2 = _scale_min_k4(2 * g + 1, scales)
-                for l in range(32):
-                    lo, hi = int(qs[32 * g + l] & 0xF), int(qs[32 * g + l] >> 4)
+                for i in range(32):
+                    lo, hi = int(qs[32 * g + i] & 0xF), int(qs[32 * g + i] >> 4)
                     if qh is not None:
-                        lo += 16 if qh[l] & (1 << (2 * g)) else 0
-                        hi += 16 if qh[l] & (1 << (2 * g + 1)) else 0
-                    y[64 * g + l] = d * sc1 * lo - dmin * m1
-                    y[64 * g + 32 + l] = d * sc2 * hi - dmin * m2
+                        lo += 16 if qh[i] & (1 << (2 * g)) else 0
+                        hi += 16 if qh[i] & (1 << (2 * g + 1)) else 0
+                    y[64 * g + i] = d * sc1 * lo - dmin * m1
+                    y[64 * g + 32 + i] = d * sc2 * hi - dmin * m2
         else:  # Q6_K: ql[128] qh[64] scales[16] (int8) d
             ql, qh, sc, d = blk[0:128], blk[128:192], blk[192:208].view(np.int8), _f16(blk[208:210])
             for h in range(2):
-                for l in range(32):
-                    is_ = l // 16
-                    a, c, hh = int(ql[64 * h + l]), int(ql[64 * h + l + 32]), int(qh[32 * h + l])
+                for i in range(32):
+                    is_ = i // 16
+                    a, c, hh = int(ql[64 * h + i]), int(ql[64 * h + i + 32]), int(qh[32 * h + i])
                     q1 = ((a & 0xF) | ((hh >> 0) & 3) << 4) - 32
                     q2 = ((c & 0xF) | ((hh >> 2) & 3) << 4) - 32
                     q3 = ((a >> 4) | ((hh >> 4) & 3) << 4) - 32
                     q4 = ((c >> 4) | ((hh >> 6) & 3) << 4) - 32
                     base, s = 128 * h, sc[8 * h :]
-                    y[base + l] = d * s[is_] * q1
-                    y[base + l + 32] = d * s[is_ + 2] * q2
-                    y[base + l + 64] = d * s[is_ + 4] * q3
-                    y[base + l + 96] = d * s[is_ + 6] * q4
+                    y[base + i] = d * s[is_] * q1
+                    y[base + i + 32] = d * s[is_ + 2] * q2
+                    y[base + i + 64] = d * s[is_ + 4] * q3
+                    y[base + i + 96] = d * s[is_ + 6] * q4
     return out
 
 
@@ -355,9 +355,10 @@ def test_default_model_metadata(smollm2):
 
 
 def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
-    """transformers' GGUF path (what from_pretrained(dir, gguf_file=...) runs; from_pretrained itself
-    also wants accelerate) dequantizes the same bytes with the same numpy code, so the weights are
-    identical and only float32 summation order differs: 1e-4 of the largest logit is ample."""
+    """transformers' GGUF path (what from_pretrained(dir, gguf_file=...) runs; from_pretrained
+    itself also wants accelerate) dequantizes the same bytes with the same numpy code, so the
+    weights are identical and only float32 summation order differs: 1e-4 of the largest logit is
+    ample."""
     import functools
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -415,10 +416,13 @@ def test_unsupported_quant_type(tmp_path):
         num_key_value_heads=2,
     )
     rng = np.random.default_rng(0)
-    q2k = lambda t: (
-        rng.integers(0, 256, (t.shape[0], t.shape[1] // 256 * 84), dtype=np.uint8),
-        Q.Q2_K,
-    )
+
+    def q2k(t):
+        return (
+            rng.integers(0, 256, (t.shape[0], t.shape[1] // 256 * 84), dtype=np.uint8),
+            Q.Q2_K,
+        )
+
     path = tmp_path / "q2k.gguf"
     write_gguf(path, hf, "llama", override={"blk.1.ffn_up.weight": q2k})
     with pytest.raises(EngineError) as e:

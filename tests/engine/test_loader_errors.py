@@ -109,7 +109,8 @@ def test_not_a_model(tmp_path):
 
 
 def test_hf_dir_loads_tokenizer(tiny_dir):
-    """A directory with tokenizer.json gets TEXT's tokenizer; one without says which file is missing."""
+    """A directory with tokenizer.json gets TEXT's tokenizer; one without says which file is
+    missing."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     with pytest.raises(EngineError, match="tokenizer.json"):

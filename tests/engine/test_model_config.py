@@ -88,5 +88,5 @@ def test_engine_config_dtype():
     assert str(EngineConfig().torch_dtype) == "torch.float32"
     assert str(EngineConfig(dtype="bfloat16").torch_dtype) == "torch.bfloat16"
     with pytest.raises(EngineError) as e:
-        EngineConfig(dtype="int3").torch_dtype
+        _ = EngineConfig(dtype="int3").torch_dtype
     assert e.value.field == "dtype"

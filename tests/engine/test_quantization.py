@@ -1,8 +1,8 @@
 """Quantized SmolLM2 (the real default model) against float32: int8 weights, int8 KV cache.
 
 Bounds from the kernels issue: greedy tokens equal float32's for at least 90 % of 256 generated
-tokens over 8 prompts (given the same preceding tokens: see `agreement`), perplexity on a fixed text within 2 % of float32, and weights and the KV
-cache about 4x smaller than float32.
+tokens over 8 prompts (given the same preceding tokens: see `agreement`), perplexity on a fixed
+text within 2 % of float32, and weights and the KV cache about 4x smaller than float32.
 
 Perplexity is computed in prefill chunks of 16 tokens, so every chunk after the first reads its
 context back from the (quantized) cache; a single whole-text prefill would attend to the step's
@@ -33,13 +33,14 @@ PROMPTS = [
 TOKENS_PER_PROMPT = 32  # 8 x 32 = 256 generated tokens
 
 TEXT = (
-    "The river rose slowly through the night, and by morning the lower streets of the town were under "
-    "water. People carried what they could to the church on the hill, where the old priest had opened "
-    "the doors and lit the stoves. Nobody had seen a flood like it since the spring of 1927, when the "
-    "bridge was lost and the mill never reopened. By noon the rain had stopped, but the water kept "
-    "coming, brown and quick, carrying fences, branches and once a small wooden boat with nobody in "
-    "it. The children watched from the windows while their parents talked in low voices about the "
-    "harvest, the animals, and whether the school would open again before the winter."
+    "The river rose slowly through the night, and by morning the lower streets of the town were "
+    "under water. People carried what they could to the church on the hill, where the old priest "
+    "had opened the doors and lit the stoves. Nobody had seen a flood like it since the spring of "
+    "1927, when the bridge was lost and the mill never reopened. By noon the rain had stopped, but "
+    "the water kept coming, brown and quick, carrying fences, branches and once a small wooden "
+    "boat with nobody in it. The children watched from the windows while their parents talked in "
+    "low voices about the harvest, the animals, and whether the school would open again before "
+    "the winter."
 )
 KV_BUDGET = 64 << 20
 

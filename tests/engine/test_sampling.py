@@ -1,4 +1,5 @@
-"""Sampler and SamplingParams: greedy, penalties, truncation, seeded draws, distribution, validation."""
+"""Sampler and SamplingParams: greedy, penalties, truncation, seeded draws, distribution,
+validation."""
 
 from __future__ import annotations
 
@@ -170,7 +171,8 @@ def test_draws_stay_in_the_kept_set(p):
 
 
 def test_draws_in_a_mixed_batch_with_a_wide_nucleus():
-    # The flat row's top-p set is wider than the first candidates looked at; its batch mates' are not.
+    # The flat row's top-p set is wider than the first candidates looked at; its batch mates' are
+    # not.
     torch.manual_seed(9)
     vocab, reps = 3000, 100
     flat, peaked = torch.randn(vocab) * 0.1, torch.randn(vocab) * 4

@@ -470,7 +470,7 @@ def test_second_turn_reuses_the_first_turns_kv():
     assert third.num_cached_tokens == (first.num_tokens - 1) // 16 * 16
 
 
-# --- random workloads ------------------------------------------------------------------------------
+# --- random workloads -----------------------------------------------------------------------------
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

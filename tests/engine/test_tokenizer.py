@@ -1,4 +1,5 @@
-"""Tokenizer: same ids, text and chat prompts as transformers, for the default GGUF and for HF dirs."""
+"""Tokenizer: same ids, text and chat prompts as transformers, for the default GGUF and for HF
+dirs."""
 
 from __future__ import annotations
 
@@ -182,7 +183,8 @@ def _byte_level_backend():
 
 
 def _sentencepiece_backend():
-    """Llama-2 / Mistral style: ▁ for spaces, <0xNN> byte tokens in the vocabulary, Strip decoder."""
+    """Llama-2 / Mistral style: ▁ for spaces, <0xNN> byte tokens in the vocabulary, Strip
+    decoder."""
     from tokenizers import AddedToken, decoders, models, normalizers, trainers
 
     norm = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])

@@ -407,7 +407,8 @@ async def test_backpressure_500_requests_small_kv_budget_and_metrics(
     assert_no_errors_logged(pipeline)
 
     print(
-        f"backpressure: sampled {seen}; VmRSS ready {rss_ready_kib} KiB, VmHWM ready {hwm_ready_kib} KiB, "
+        f"backpressure: sampled {seen}; VmRSS ready {rss_ready_kib} KiB, "
+        f"VmHWM ready {hwm_ready_kib} KiB, "
         f"end {hwm_end_kib} KiB; pauses {value(metrics, 'sluice_consumer_pauses_total')}, "
         f"peak queue {metrics['sluice_runner_peak_queue']}"
     )

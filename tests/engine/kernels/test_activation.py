@@ -37,7 +37,8 @@ def test_silu_and_mul_matches_reference(T, inter, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_output_element_written_strided_input(dtype):
-    """Into a NaN-filled preallocated output, from x whose rows are strided (a view of a wider matrix)."""
+    """Into a NaN-filled preallocated output, from x whose rows are strided (a view of a wider
+    matrix)."""
     T, inter = 6, 1536
     wide = _input(T, inter + 64, dtype, seed=11)
     x = wide[:, 32 : 32 + 2 * inter]
@@ -50,7 +51,8 @@ def test_every_output_element_written_strided_input(dtype):
 
 
 def test_output_slice_is_the_only_thing_written():
-    """A preallocated `out` that is a column slice of a bigger buffer: columns around it stay NaN."""
+    """A preallocated `out` that is a column slice of a bigger buffer: columns around it stay
+    NaN."""
     T, inter = 3, 100
     x = _input(T, inter, torch.float32, seed=12)
     buf = torch.full((T, inter + 20), float("nan"), device=DEVICE)

@@ -1,4 +1,5 @@
-"""int8 weight-only linear: quantization, the CPU torch paths and the Triton GEMM (interpreter on the CPU).
+"""int8 weight-only linear: quantization, the CPU torch paths and the Triton GEMM (interpreter on
+the CPU).
 
 Every result is checked against float64 arithmetic on the dequantized weight with a rounding-error
 bound per element: |got - ref| <= a * u * |ref| + b * |x| @ |W|.T (u the dtype's unit roundoff, the
@@ -163,7 +164,8 @@ def test_torch_path_strided_and_batched_input(cpu_path):
 
 
 def test_float16_tiny_scales_stay_accurate(monkeypatch):
-    """The fused op takes float16 scales; scales below float16's normal range must not go that way."""
+    """The fused op takes float16 scales; scales below float16's normal range must not go that
+    way."""
     monkeypatch.setattr(il, "_PACK_MAX_ROWS", dict.fromkeys(il._PACK_MAX_ROWS, 10**9))
     k = 96
     q, s = il.quantize_int8(_weight(80, k, seed=6) * 1e-3)
@@ -195,7 +197,8 @@ def test_float16_large_activations_do_not_overflow(cpu_path):
 
 
 def test_default_dispatch_and_empty_shapes():
-    """The thresholds as shipped (small batches on the fused op, larger on matmuls), and M = 0, K = 0."""
+    """The thresholds as shipped (small batches on the fused op, larger on matmuls), and M = 0,
+    K = 0."""
     for m in (1, 2, 17, 40):
         for dtype in DTYPES:
             q, s, b = _layer(80, 96, seed=m, bias=True)

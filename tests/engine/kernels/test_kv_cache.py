@@ -1,6 +1,7 @@
 """Paged KV cache writes: plain copies, and int8 / float8_e4m3fn with per-(block, head) scales that
-grow as blocks fill up over several steps. Triton kernel (interpreter on the CPU) vs torch reference,
-both against an independent model of the documented rule (expected scales, error bounds)."""
+grow as blocks fill up over several steps. Triton kernel (interpreter on the CPU) vs torch
+reference, both against an independent model of the documented rule (expected scales, error
+bounds)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kv_views(T: int, dtype: torch.dtype, g: torch.Generator, scale: torch.Tensor):
-    """k, v [T, H, D] as strided views (padded head stride, shared token rows), values k_true * scale."""
+    """k, v [T, H, D] as strided views (padded head stride, shared token rows), values
+    k_true * scale."""
     buf = torch.randn(T, 2, H, D + 8, generator=g) * scale[:, None, None, None]
     tiny = torch.rand(buf.shape, generator=g)
     buf = torch.where(tiny < 0.05, buf * 1e-5, buf)  # float8 subnormals
@@ -77,8 +79,9 @@ def _stage_bound(
     prev: torch.Tensor, value: torch.Tensor, s: torch.Tensor, cache_dtype
 ) -> torch.Tensor:
     """Error bound of an entry after one more (re)quantization at scale s, given its bound before.
-    int8: half a step, s/2 (plus float32 slack on x/s and q*ratio). float8 e4m3: 2**-4 relative to the
-    value being rounded (|value| + prev), or half the subnormal step 2**-9 * s, whichever is larger."""
+    int8: half a step, s/2 (plus float32 slack on x/s and q*ratio). float8 e4m3: 2**-4 relative to
+    the value being rounded (|value| + prev), or half the subnormal step 2**-9 * s, whichever is
+    larger."""
     if cache_dtype == torch.int8:
         return prev + s * (0.5 + 1e-4)
     return (prev + 2.0**-4 * (value.abs() + prev) + 2.0**-10 * s) * (1 + 1e-5)
@@ -156,7 +159,8 @@ SCENARIOS = [
 
 
 def _build_steps(sc: Scenario, model_dtype, seed: int):
-    """Per step: k, v views, slot mapping, and per touched block (block, first offset, k, v values)."""
+    """Per step: k, v views, slot mapping, and per touched block (block, first offset, k, v
+    values)."""
     g = torch.Generator().manual_seed(seed)
     bs = sc.block_size
     pos = [0] * len(sc.tables)

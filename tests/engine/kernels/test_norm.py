@@ -1,4 +1,5 @@
-"""add_rmsnorm: Triton kernel vs torch reference vs a float64 computation (interpreter on the CPU)."""
+"""add_rmsnorm: Triton kernel vs torch reference vs a float64 computation (interpreter on the
+CPU)."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def test_residual_in_place_and_two_pass_path(dtype, max_single_pass, monkeypatch
 
 
 def test_float32_weight_promotes_like_hf():
-    """A float32 weight on bfloat16 activations gives float32 output, as `weight * x.to(dtype)` does."""
+    """A float32 weight on bfloat16 activations gives float32 output, as `weight * x.to(dtype)`
+    does."""
     x, res, w = _inputs(7, 64, torch.bfloat16, seed=5, weight_dtype=torch.float32)
     ref_n, _ = norm.add_rmsnorm_torch(x, res, w, EPS)
     got_n, _ = norm.add_rmsnorm_triton(x, res, w, EPS)

@@ -55,7 +55,7 @@ def build(q_lens, seq_lens, hkv, group, d, seed, share=False, dtype=torch.float3
 
 
 def reference(q, k, v, table, starts, q_lens, seq_lens, scale, window):
-    hq, d = q.shape[1], q.shape[2]
+    hq = q.shape[1]
     hkv = k.shape[1]
     out = {}
     for i, (start, n, s) in enumerate(zip(starts.tolist(), q_lens, seq_lens)):

@@ -1,4 +1,5 @@
-"""Sampling kernel: Triton (interpreted on the CPU) and torch draws against the reference distribution.
+"""Sampling kernel: Triton (interpreted on the CPU) and torch draws against the reference
+distribution.
 
 The Triton interpreter runs every program instance in Python (10-30 ms a row here), so the kernel
 gets a few hundred draws where the torch sampler gets thousands, and vocabularies stay small. To
