@@ -55,6 +55,7 @@ class StepMessage(_Internal):
     timings: Timings | None = None
     full_text: str | None = None  # on the final message
     choices: list[dict] | None = None  # on the final message when n > 1
+    seed: int | None = None  # on the final message: the request's seed (or the one it was given)
     error: ErrorEvent | None = None  # set instead of tokens when the request failed
     # Echoed from the request so the streamer needs no other state.
     reply_topic: str | None = None

@@ -226,6 +226,7 @@ class RunnerActor(Actor):
             timings=timings,
             full_text=tracked.texts.get(0, ""),
             choices=choices,
+            seed=first.seed,
             session_messages=session_messages,
             session_token_ids=session_ids,
             **self._echo(tracked),

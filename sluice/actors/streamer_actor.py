@@ -73,6 +73,7 @@ class StreamerActor(Actor):
                 model=message.model,
                 text=message.full_text or "",
                 choices=[Choice(**c) for c in message.choices] if message.choices else None,
+                seed=message.seed,
                 session_id=message.session_id,
                 metadata=message.metadata,
             )

@@ -171,6 +171,7 @@ class JsonLines:
                 "token_ids": part["token_ids"],
                 "text": part["text"],
                 "finish_reason": out.finish_reason,
+                "seed": out.seed,
                 "usage": asdict(out.usage),
                 "timings": asdict(out.timings),
             }

@@ -10,12 +10,17 @@ prefill chunks, under a token budget), the model runner computes them in one for
 KV cache, the sampler picks the next token of every sequence that reached its end, and the
 detokenizer turns new tokens into text deltas. Not thread-safe: call it from one thread.
 
-Seeds: a request with `seed` draws from its own generator (sample i of n uses seed + i), so the
-same request with the same seed, model, dtype, device and engine version gives the same tokens run
-alone, and also beside other requests as long as the batch composition does not change the logits
-(on the CPU in float32 it rarely does; batched matmuls may round differently with other batch
-sizes, so bit-identical logits across different batches are not guaranteed yet). Resuming a
-sampled request token-exactly after a crash is not supported yet.
+Seeds: every draw is a function of (seed, completion index, position) alone (`draws`), and a
+request without a seed is given one, reported with its final output. So the same request with the
+same seed, model, dtype, device and engine version gives the same tokens as long as its logits are
+the same: run alone, beside other requests (on the CPU in float32 the batch composition rarely
+changes the logits; batched matmuls may round differently with other batch sizes, so bit-identical
+logits across different batches are not guaranteed yet), and after a resume.
+
+Resume: `add_request(..., resume={index: output token ids})` takes up a request whose first tokens
+were already produced (and published) elsewhere: prompt and those tokens are prefilled (the prefix
+cache makes it cheap) and generation continues at the next position with the same draws, so the
+request goes on as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,6 +37,7 @@ import torch
 
 from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.draws import new_seed
 from sluice.engine.errors import EngineError, check_prompt_fits
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.loader import LoadedModel, build_model, load_model
@@ -41,7 +47,7 @@ from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timi
 from sluice.engine.sampler import Sampler, TokenLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import BatchScheduler
-from sluice.engine.sequence import Sequence
+from sluice.engine.sequence import Sequence, SequenceStatus
 from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     seqs: list[Sequence]
+    seed: int  # the request's, or one given to it: reported with its final outputs
     first_scheduled_time: float | None = None
 
     @property
@@ -168,8 +175,13 @@ class LLMEngine:
         messages: Seq[dict] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        resume: Mapping[int, Seq[int]] | None = None,
     ) -> str:
         """Queue a request; returns its id. Give exactly one of prompt, prompt_token_ids, messages.
+
+        resume: for a request taken up again, the output token ids each completion (by index)
+        already produced; it continues after them (see the module docstring). Pass the seed it ran
+        with in `params`: an unseeded request is given a new one.
 
         Raises EngineError naming the parameter at fault; the engine keeps serving the others.
         """
@@ -181,20 +193,61 @@ class LLMEngine:
         prompt, ids = self._prompt_ids(prompt, prompt_token_ids, messages)
         check_prompt_fits(len(ids), self.max_model_len)
         now = time.monotonic()
-        seq = self._new_sequence(
-            Sequence(
+        seed = params.seed if params.seed is not None else new_seed()
+        request = Request(request_id, prompt, ids, params, now, [], seed)
+
+        def sequence(index: int) -> Sequence:
+            seq = Sequence(
                 request_id,
                 ids,
                 max_tokens=params.max_tokens,
                 priority=priority,
                 arrival_time=now,
                 cache_salt=cache_salt,
-            ),
-            params,
-        )
-        self.scheduler.add(seq)  # raises if it could never fit in the KV cache
-        self._requests[request_id] = Request(request_id, prompt, ids, params, now, [seq])
+                index=index,
+            )
+            return self._new_sequence(seq, params, seed)
+
+        if resume is None:
+            request.seqs.append(sequence(0))
+        else:
+            if any(not 0 <= i < params.n for i in resume):
+                raise EngineError(f"completion indices must be in [0, {params.n})", field="resume")
+            request.seqs = [sequence(index) for index in range(params.n)]
+            for seq in request.seqs:
+                self._replay(request, seq, resume.get(seq.index, ()), now)
+            finals = [
+                self._final_output(request, s, [], "") for s in request.seqs if s.finish_reason
+            ]
+        try:
+            for seq in request.seqs:
+                if seq.finish_reason is None:
+                    self.scheduler.add(seq)  # raises if it could never fit in the KV cache
+        except EngineError:
+            self.scheduler.abort(request_id)
+            raise
+        self._requests[request_id] = request
+        if resume is not None:
+            self._pending += finals  # completions that had finished: their finals, at the next step
         return request_id
+
+    def _replay(self, request: Request, seq: Sequence, tokens: Seq[int], now: float) -> None:
+        """Give a resumed sequence the tokens it had produced, through the same stop checks (so
+        its text, held-back stop-string prefixes included, is where it was; that text was
+        published with those tokens and is not produced again), finishing it if they did."""
+        for token in tokens:
+            if not 0 <= token < self.model_config.vocab_size:
+                raise EngineError(f"token id {token} is outside the vocabulary", field="resume")
+            if seq.finish_reason is not None:
+                raise EngineError("tokens after the completion had finished", field="resume")
+            seq.append_token(token)
+            reason, stop_reason, delta = self._finish_reason(seq, token, request.params)
+            seq.text += delta  # published with the token already
+            if reason is not None:
+                if seq.detokenizer is not None and not seq.detokenizer.stopped:
+                    seq.text += seq.detokenizer.flush()  # went out with the last token too
+                seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
+                seq.status = SequenceStatus.FINISHED
 
     def _prompt_ids(
         self, prompt: str | None, prompt_token_ids: Seq[int] | None, messages: Seq[dict] | None
@@ -229,8 +282,8 @@ class LLMEngine:
             raise EngineError("the prompt has no tokens", field="prompt")
         return prompt, ids
 
-    def _new_sequence(self, seq: Sequence, params: SamplingParams) -> Sequence:
-        """Give a sequence its detokenizer and, for a seeded sampled request, its generator."""
+    def _new_sequence(self, seq: Sequence, params: SamplingParams, seed: int) -> Sequence:
+        """Give a sequence its detokenizer and its request's seed."""
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -238,9 +291,7 @@ class LLMEngine:
                 params.stop,
                 skip_special_tokens=params.skip_special_tokens,
             )
-        if params.seed is not None and not params.greedy:
-            seq.generator = torch.Generator(device=self.runner.device)
-            seq.generator.manual_seed((params.seed + seq.index) % 2**64)
+        seq.seed = seed
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -278,6 +329,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            self._forget_finished()  # resumed requests that had finished already
             return outputs
         now = time.monotonic()
         for seq in batch.seqs:
@@ -287,7 +339,8 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
         params = [self._requests[seq.request_id].params for seq in sampled]
-        result = self.sampler(logits, sampled, params, [seq.generator for seq in sampled])
+        words = [None if p.greedy else s.draw_word() for s, p in zip(sampled, params)]
+        result = self.sampler(logits, sampled, params, words)
         for seq, token in zip(sampled, result.token_ids):
             seq.append_token(token)
         self.scheduler.on_step_done(batch)
@@ -301,9 +354,12 @@ class LLMEngine:
                 forks.append((request, row))
         for request, row in forks:
             outputs += self._fork_samples(request, logits[row : row + 1], now)
+        self._forget_finished()
+        return outputs
+
+    def _forget_finished(self) -> None:
         for request_id in [r for r, req in self._requests.items() if req.finished]:
             del self._requests[request_id]
-        return outputs
 
     def _finish_reason(
         self, seq: Sequence, token: int, params: SamplingParams
@@ -373,6 +429,7 @@ class LLMEngine:
             logprobs=logprobs or [],
             usage=self._usage(request),
             timings=self._timings(request, seq),
+            seed=request.seed,
         )
 
     def _fork_samples(
@@ -388,8 +445,10 @@ class LLMEngine:
             child = self._new_sequence(
                 parent.fork(request.request_id, num_tokens=parent.num_prompt_tokens, index=index),
                 request.params,
+                request.seed,
             )
-            drawn = self.sampler(logits_row, [child], [request.params], [child.generator])
+            word = None if request.params.greedy else child.draw_word()
+            drawn = self.sampler(logits_row, [child], [request.params], [word])
             token = drawn.token_ids[0]
             child.append_token(token)
             request.seqs.append(child)
@@ -493,4 +552,5 @@ class LLMEngine:
             request.prompt_token_ids,
             samples,
             self._usage(request),
+            request.seed,
         )

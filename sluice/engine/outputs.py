@@ -39,6 +39,7 @@ class StepOutput:
     # Set on the finishing output:
     usage: Usage | None = None
     timings: Timings | None = None
+    seed: int | None = None  # the request's seed (given to it when it had none)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class GenerateResult:
     prompt_token_ids: list[int]
     samples: list[SampleResult]
     usage: Usage
+    seed: int  # the request's seed (given to it when it had none)
 
     # The first sample, for the common n == 1 case.
     @property

@@ -12,9 +12,9 @@ Logprobs are the log-softmax of the logits after step 2 (penalties and temperatu
 truncation; a greedy row counts as temperature 1), so the chosen token and every alternative get a
 finite value. This is vLLM's "processed" distribution before truncation.
 
-A row whose request has its own torch.Generator draws its uniform from that generator alone, so a
-seeded request gets the same tokens whatever requests share its batch; the other rows draw together
-from torch's global generator. Everything else runs on the whole batch at once. Rows with top-k or
+Each sampled row comes with its own random word (`draws.draw_word` of its seed, completion and
+position), so a row's token never depends on the rows beside it, on earlier draws or on the
+process. Everything else runs on the whole batch at once. Rows with top-k or
 top-p work on a few candidates from torch.topk instead of sorting the vocabulary; penalties touch
 only the tokens a sequence contains.
 """
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sluice.engine.draws import uniform
 from sluice.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,16 +68,15 @@ class Sampler:
         logits: torch.Tensor,
         seqs: Sequence,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        words: Sequence[int | None],
     ) -> SamplerOutput:
         """logits: [N, V], rows in the order of `seqs`; a seq needs `token_ids` (prompt + output)
-        and `num_prompt_tokens`. A generator must live on the logits' device. `logits` is not
-        modified."""
+        and `num_prompt_tokens`. words: each row's 64-bit random word (`draws.draw_word`); None
+        for greedy rows, which draw nothing. `logits` is not modified."""
         n = logits.shape[0]
-        if not (len(seqs) == len(params) == len(generators) == n):
+        if not (len(seqs) == len(params) == len(words) == n):
             raise ValueError(
-                f"{n} logit rows but {len(seqs)} seqs, {len(params)} params, "
-                f"{len(generators)} generators"
+                f"{n} logit rows but {len(seqs)} seqs, {len(params)} params, {len(words)} words"
             )
         if n == 0:
             return SamplerOutput([], [])
@@ -102,7 +102,10 @@ class Sampler:
             rows = _index(drawn, device)
             sub = x if len(drawn) == n else x[rows]
             draw = self.ops.draw if self.ops is not None else draw_torch
-            tokens[rows] = draw(sub, [params[i] for i in drawn], [generators[i] for i in drawn])
+            row_words = [w for w in (words[i] for i in drawn) if w is not None]
+            if len(row_words) != len(drawn):
+                raise ValueError("a sampled row needs its random word")
+            tokens[rows] = draw(sub, [params[i] for i in drawn], row_words)
 
         logprobs: list[TokenLogprobs | None] = [None] * n
         if any(p.logprobs is not None for p in params):
@@ -171,11 +174,12 @@ def _narrows(p: SamplingParams, vocab: int) -> bool:
 
 
 def draw_torch(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence
+    logits: torch.Tensor, params: Sequence[SamplingParams], words: Sequence[int]
 ) -> torch.Tensor:
-    """One token per row from the truncated softmax of `logits` (not modified)."""
+    """One token per row from the truncated softmax of `logits` (not modified), by inverse CDF at
+    the uniform number of the row's random word."""
     device = logits.device
-    u = _uniforms(generators, device)
+    u = torch.tensor([uniform(w) for w in words], dtype=torch.float32, device=device)
     tokens = torch.empty(len(params), dtype=torch.long, device=device)
     narrow = [i for i, p in enumerate(params) if _narrows(p, logits.shape[1])]
     wide = [i for i, p in enumerate(params) if not _narrows(p, logits.shape[1])]
@@ -190,15 +194,6 @@ def draw_torch(
         sub = logits[rows] if len(wide) < len(params) else logits
         tokens[rows] = _inverse_cdf(_min_p(sub, [params[i] for i in wide]), u[rows])
     return tokens
-
-
-def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """One U[0,1) per row: from the row's own generator if it has one, else from the global one."""
-    u = torch.rand(len(generators), device=device)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(1, device=device, generator=g)[0]
-    return u
 
 
 def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

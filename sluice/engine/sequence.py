@@ -16,9 +16,9 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+from sluice.engine.draws import draw_word
 
+if TYPE_CHECKING:
     from sluice.engine.detokenizer import IncrementalDetokenizer
     from sluice.engine.sampler import TokenLogprobs
 
@@ -68,7 +68,7 @@ class Sequence:
         # Block-manager bookkeeping follows below; first the completion's record (the engine's).
         self.index = index  # which of its request's n samples
         self.detokenizer: IncrementalDetokenizer | None = None
-        self.generator: torch.Generator | None = None  # a seeded request's own random numbers
+        self.seed = 0  # its request's seed: with `index` and the position, it keys every draw
         self.text = ""
         self.logprobs: list[TokenLogprobs] = []
         self.first_token_time: float | None = None
@@ -128,6 +128,10 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def draw_word(self) -> int:
+        """The random word of the token to draw next (at position `num_tokens`)."""
+        return draw_word(self.seed, self.index, self.num_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))

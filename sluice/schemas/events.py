@@ -176,6 +176,9 @@ class FinalEvent(_Wire):
     model: str
     text: str = Field(description="The full generated text (of completion 0 when n > 1).")
     choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
+    seed: int | None = Field(
+        None, description="The request's seed, or the one it was given: send it to replay it."
+    )
     session_id: str | None = None
     metadata: dict[str, JsonValue] | None = None
 

@@ -28,6 +28,19 @@ def test_json_lines_one_per_prompt_in_order():
     assert "engine ready" in result.stderr  # the log says what was configured
 
 
+def test_an_unseeded_sampled_run_reports_the_seed_that_replays_it():
+    args = ["generate", "--json", "--temperature", "1.0", "--max-tokens", "12", "--ignore-eos"]
+    args += ["--kv-cache-mb", "64"]
+    first = sluice(*args, "Name a colour.", "Name a colour.")
+    assert first.returncode == 0, first.stderr
+    a, b = [json.loads(line) for line in first.stdout.splitlines()]
+    assert a["seed"] != b["seed"]  # each request is given its own
+    again = sluice(*args, "--seed", str(a["seed"]), "Name a colour.")
+    assert again.returncode == 0, again.stderr
+    replay = json.loads(again.stdout)
+    assert replay["token_ids"] == a["token_ids"] and replay["seed"] == a["seed"]
+
+
 def test_chat_stream_prints_the_answer():
     result = sluice("generate", "--chat", "--max-tokens", "12", "--kv-cache-mb", "64", "Say hello.")
     assert result.returncode == 0, result.stderr

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from sluice.engine.draws import draw_word
 from sluice.engine.errors import EngineError
 from sluice.engine.sampler import Sampler, apply_penalties, kept_tokens
 from sluice.engine.sampling_params import SamplingParams
@@ -32,9 +33,15 @@ def short(p: SamplingParams) -> str:
     )
 
 
-def run(logits, params, seqs=None, generators=None):
+def random_words(n: int) -> list[int]:
+    """64-bit random words from torch's global generator (so torch.manual_seed fixes them)."""
+    halves = torch.randint(0, 2**32, (n, 2), dtype=torch.int64).tolist()
+    return [hi << 32 | lo for hi, lo in halves]
+
+
+def run(logits, params, seqs=None, words=None):
     n = logits.shape[0]
-    return sampler(logits, seqs or [Seq() for _ in range(n)], params, generators or [None] * n)
+    return sampler(logits, seqs or [Seq() for _ in range(n)], params, words or random_words(n))
 
 
 def test_greedy_is_argmax_and_deterministic():
@@ -224,20 +231,19 @@ def test_seeded_rows_do_not_depend_on_batch_mates():
     target = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
 
     def trajectory(batch_size: int, position: int, mates_seeded: bool) -> list[int]:
-        gen = torch.Generator().manual_seed(target.seed)
-        mates = [
-            torch.Generator().manual_seed(99 + j) if mates_seeded else None
-            for j in range(batch_size)
-        ]
         tokens = []
         for step in range(steps):
             rows = torch.randn(batch_size, vocab)  # the mates' logits change from run to run
             rows[position] = torch.sin(torch.arange(vocab) * (step + 1.0)) * 4  # ours do not
             params = [SamplingParams(temperature=0.8, top_k=50)] * batch_size
             params[position] = target
-            gens = list(mates)
-            gens[position] = gen
-            tokens.append(run(rows, params, generators=gens).token_ids[position])
+            words = (
+                [draw_word(99 + j, 0, step) for j in range(batch_size)]
+                if mates_seeded
+                else random_words(batch_size)
+            )
+            words[position] = draw_word(target.seed, 0, step)  # (seed, completion, position)
+            tokens.append(run(rows, params, words=words).token_ids[position])
         return tokens
 
     alone = trajectory(1, 0, False)
@@ -247,17 +253,19 @@ def test_seeded_rows_do_not_depend_on_batch_mates():
     assert len(set(alone)) > 1
 
 
-def test_different_seeds_differ_and_unseeded_uses_global_rng():
+def test_a_draw_is_its_key_alone():
     row = torch.zeros(1, 1000)  # uniform
     p = SamplingParams()
-    a = [
-        run(row, [p], generators=[torch.Generator().manual_seed(s)]).token_ids[0] for s in range(20)
-    ]
-    assert len(set(a)) > 10
-    torch.manual_seed(7)
-    b = [run(row, [p]).token_ids[0] for _ in range(5)]
-    torch.manual_seed(7)
-    assert [run(row, [p]).token_ids[0] for _ in range(5)] == b
+    by_seed = [run(row, [p], words=[draw_word(s, 0, 5)]).token_ids[0] for s in range(20)]
+    assert len(set(by_seed)) > 10
+    by_position = [run(row, [p], words=[draw_word(3, 0, pos)]).token_ids[0] for pos in range(20)]
+    assert len(set(by_position)) > 10
+    by_index = [run(row, [p], words=[draw_word(3, i, 5)]).token_ids[0] for i in range(20)]
+    assert len(set(by_index)) > 10
+    again = [run(row, [p], words=[draw_word(s, 0, 5)]).token_ids[0] for s in range(20)]
+    assert again == by_seed
+    with pytest.raises(ValueError, match="random word"):
+        run(row, [p], words=[None])
 
 
 def test_logprobs_of_the_processed_distribution():
@@ -341,13 +349,12 @@ def test_on_cuda_seeded_and_truncated():
     p = SamplingParams(temperature=0.9, top_p=0.9, min_p=0.01, seed=5)
 
     def draw(batch: int) -> list[int]:
-        gen = torch.Generator(device=dev).manual_seed(5)
         logits = torch.randn(batch, 5000, device=dev)
         logits[0] = row
         params = [p] + [SamplingParams(top_k=3)] * (batch - 1)
         return [
-            run(logits, params, generators=[gen] + [None] * (batch - 1)).token_ids[0]
-            for _ in range(10)
+            run(logits, params, words=[draw_word(5, 0, pos)] + random_words(batch - 1)).token_ids[0]
+            for pos in range(10)
         ]
 
     alone = draw(1)

@@ -87,14 +87,11 @@ class KernelOps(ABC):
 
     @abstractmethod
     def draw(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], words: Sequence[int]
     ) -> torch.Tensor:
         """One token per row from the min-p / top-k / top-p truncated softmax of `logits` (already
-        penalized and divided by the temperature); a row's generator, where given, alone decides
-        its draw."""
+        penalized and divided by the temperature); the row's random word (`draws.draw_word`)
+        alone decides its draw."""
 
     def suggests_bfloat16(self) -> bool:
         """Whether a float32 engine on these kernels would run much faster in bfloat16 (a hint

@@ -76,8 +76,8 @@ class TorchOps(KernelOps):
     def linear(self, x, layer: nn.Module):
         return layer(x)
 
-    def draw(self, logits, params: Sequence[SamplingParams], generators):
-        return draw_torch(logits, params, generators)
+    def draw(self, logits, params: Sequence[SamplingParams], words: Sequence[int]):
+        return draw_torch(logits, params, words)
 
 
 def _compact(plan: StepPlan):

@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..draws import signed
 from ..paged_cache import LayerKVCache
 from ..sampling_params import SamplingParams
 from ..step_plan import AttentionSpec, StepPlan, decode_rows
@@ -81,19 +82,13 @@ class TritonOps(TorchOps):
             return int8_linear_triton(x, layer.qweight, layer.scale, layer.bias)
         return layer(x)
 
-    def draw(self, logits, params: Sequence[SamplingParams], generators):
-        """Through the Triton sampling kernel: one 62-bit seed per row from the row's own
-        generator (else the global one) keys the row's random stream."""
+    def draw(self, logits, params: Sequence[SamplingParams], words: Sequence[int]):
+        """Through the Triton sampling kernel: the row's random word keys its random stream."""
         from ..kernels.sampling import sample_triton
 
         device = logits.device
         n = len(params)
-        seeds = torch.randint(0, 2**62, (n,), dtype=torch.int64, device=device)
-        for i, g in enumerate(generators):
-            if g is not None:
-                seeds[i] = torch.randint(
-                    0, 2**62, (1,), dtype=torch.int64, device=device, generator=g
-                )[0]
+        seeds = torch.tensor([signed(w) for w in words], dtype=torch.int64, device=device)
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device).reshape(n)
