@@ -18,6 +18,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Admission:
+    """A request handed to the engine thread: its seed (the request's, or one given to it) and,
+    for a request taken up again, the tokens each completion had already published."""
+
+    work: TokenizedRequest
+    seed: int
+    resume: dict[int, list[int]] | None = None
+
+
+@dataclass
 class Rejection:
     request_id: str
     error: EngineError  # why the engine would not take it
@@ -37,15 +47,17 @@ class EngineLoop:
         self._rejections: list[Rejection] = []  # since the last step
         self._deadlines: dict[str, float] = {}  # request id -> unix deadline
 
-    def accept(self, work: TokenizedRequest) -> None:
+    def accept(self, admission: Admission) -> None:
+        work = admission.work
         request = work.request
         try:
             self.engine.add_request(
                 request.request_id,
                 prompt_token_ids=work.prompt_token_ids,
-                params=SamplingParams(**request.sampling_kwargs()),
+                params=SamplingParams(**{**request.sampling_kwargs(), "seed": admission.seed}),
                 priority=request.priority,
                 cache_salt=request.tenant,
+                resume=admission.resume,
             )
         except EngineError as exc:
             self._rejections.append(Rejection(request.request_id, exc))

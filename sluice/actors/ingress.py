@@ -3,7 +3,9 @@ into error events so that bad input never stops a partition.
 
 The consumer pauses its partitions once `max_in_flight` records are unfinished (backpressure) and
 keeps polling so the group does not evict it; records are acknowledged out of order and committed
-as the contiguous finished prefix of each partition.
+as the contiguous finished prefix of each partition. Once a commit passes an acknowledged record,
+`on_committed` learns its request id: that request will not be delivered again (its progress
+record can go).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from aiokafka.structs import ConsumerRecord
+from aiokafka.structs import ConsumerRecord, TopicPartition
 from pydantic import BaseModel, ValidationError
 
 from sluice.actors.messages import Envelope
@@ -46,6 +48,7 @@ class Ingress:
         dlq_topic: str,
         decode: Callable[[bytes], BaseModel] = decode_request,
         metrics: Metrics | None = None,
+        on_committed: Callable[[list[str]], Awaitable[None]] | None = None,
     ):
         self.consumer = consumer
         self.producer = producer
@@ -56,6 +59,8 @@ class Ingress:
         self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
         self._pauses_reported = 0  # consumer.pauses already counted in the metrics
+        self.on_committed = on_committed
+        self._acked: list[tuple[TopicPartition, int, str]] = []  # done, not yet known committed
 
     async def run(self) -> None:
         """Consume until the consumer stops; commits finished records every second."""
@@ -78,14 +83,25 @@ class Ingress:
             )
             self._spawn(self._publish_error(record, event, None))
             return
-        ack = self._acker(record)
+        ack = self._acker(record, _request_id_of(body))
         await self.deliver(Envelope(body, ack, time.time()))
 
-    def _acker(self, record: ConsumerRecord) -> Callable[[], None]:
+    def _acker(self, record: ConsumerRecord, request_id: str | None) -> Callable[[], None]:
         def ack() -> None:
-            self.consumer.done(record)
+            if self.consumer.done(record) and request_id is not None and self.on_committed:
+                tp = TopicPartition(record.topic, record.partition)
+                self._acked.append((tp, record.offset, request_id))
 
         return ack
+
+    async def _report_committed(self, committed: dict[TopicPartition, int]) -> None:
+        """Tell `on_committed` which acknowledged requests a commit has now passed."""
+        if not self._acked or not committed or self.on_committed is None:
+            return
+        passed = [rid for tp, offset, rid in self._acked if offset < committed.get(tp, -1)]
+        self._acked = [a for a in self._acked if not a[1] < committed.get(a[0], -1)]
+        if passed:
+            await self.on_committed(passed)
 
     async def _publish_error(
         self, record: ConsumerRecord, event: ErrorEvent, reply_topic: str | None
@@ -131,7 +147,7 @@ class Ingress:
         while True:
             await asyncio.sleep(COMMIT_INTERVAL_S)
             try:
-                await self.consumer.commit_done()
+                await self._report_committed(await self.consumer.commit_done())
                 if self.metrics:
                     self.metrics.in_flight.set(self.consumer.in_flight)
                     self.metrics.paused.set(1 if self.consumer.paused else 0)
@@ -147,3 +163,11 @@ class Ingress:
     async def drain_errors(self) -> None:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _request_id_of(body: BaseModel) -> str | None:
+    """The request a message belongs to (a request itself, or an actor's message about one)."""
+    request_id = getattr(body, "request_id", None)
+    if request_id is None and hasattr(body, "request"):
+        request_id = getattr(body.request, "request_id", None)
+    return request_id

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from sluice.actors.ingress import Ingress
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
+from sluice.actors.progress import ProgressLog
 from sluice.actors.roles import ROLES
 from sluice.actors.runner_actor import RunnerActor
 from sluice.actors.runtime import ActorFailed, ActorSystem, in_passing_thread
@@ -29,6 +30,8 @@ from sluice.actors.scheduler_actor import SchedulerActor, routing_key
 from sluice.actors.streamer_actor import StreamerActor
 from sluice.actors.tokenizer_actor import TokenizerActor
 from sluice.actors.transport import KafkaSink
+from sluice.connectors.changelog import TOPIC_CONFIG as CHANGELOG_CONFIG
+from sluice.connectors.changelog import Changelog
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionStore
@@ -47,6 +50,7 @@ class Topics:
     tokenized: str = "sluice.internal.tokenized"
     work: str = "sluice.internal.work"
     steps: str = "sluice.internal.steps"
+    progress: str = "sluice.progress"  # compacted: what each request in flight has published
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Pipeline:
         self.sessions: SessionStore | None = None
         self.ingress: Ingress | None = None
         self.engine = None
+        self.progress: ProgressLog | None = None
         self._sinks: list[KafkaSink] = []
         self._stop = asyncio.Event()
 
@@ -100,6 +105,10 @@ class Pipeline:
                 ),
             },
         )
+        if self.role in (None, "runner"):
+            await ensure_topics(
+                c.bootstrap_servers, {t.progress: c.partitions}, config=CHANGELOG_CONFIG
+            )
         if c.metrics_port:
             self.metrics.serve(c.metrics_port)
             log.info("metrics on :%d/metrics", c.metrics_port)
@@ -116,6 +125,10 @@ class Pipeline:
                 c.redis_url,
                 "available" if ok else "UNREACHABLE: serving without prefix reuse across turns",
             )
+        if self.role in (None, "runner"):
+            # What the requests in flight had published, before any of them is read again.
+            self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.producer))
+            await self.progress.start()
         builder = getattr(self, f"_build_{self.role or 'all'}")
         first, topic, decode = await builder()
         group = c.group if self.role is None else f"{c.group}-{self.role}"
@@ -125,6 +138,7 @@ class Pipeline:
             bootstrap_servers=c.bootstrap_servers,
             max_in_flight=c.max_in_flight,
             drain_timeout=c.drain_timeout_s,
+            on_assigned=self.progress.catch_up if self.progress else None,
         )
         await self.consumer.start()
         self.ingress = Ingress(
@@ -134,6 +148,7 @@ class Pipeline:
             tokens_topic=t.tokens,
             dlq_topic=t.dlq,
             metrics=self.metrics,
+            on_committed=self.progress.forget if self.progress else None,
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()
@@ -180,6 +195,7 @@ class Pipeline:
             runner_id=c.runner_id,
             max_queue=c.max_in_flight,
             metrics=self.metrics,
+            progress=self.progress,
         )
         scheduler = SchedulerActor([runner.tell], streamer.tell, capacity=c.max_in_flight)
         tokenizer = TokenizerActor(
@@ -233,6 +249,7 @@ class Pipeline:
             runner_id=c.runner_id,
             max_queue=c.max_in_flight,
             metrics=self.metrics,
+            progress=self.progress,
         )
         self.system.add(actor)
         self.runner = actor
@@ -287,6 +304,8 @@ class Pipeline:
             await self.system.shutdown(graceful=True)
         for sink in self._sinks:
             await sink.flush()
+        if self.progress is not None:
+            await self.progress.stop()
         if self.producer is not None:
             await self.producer.stop()
         if self.sessions is not None:

@@ -4,8 +4,12 @@ The engine's step loop runs in a thread of its own (`EngineLoop` in a `ThreadedW
 thread that touches the engine, so the event loop keeps serving Kafka heartbeats and polls while a
 step computes. This actor lives on the event loop: it hands requests to the thread, tracks them,
 and builds a message from each step result. Sequence numbers are given here, in the order the
-engine produced the tokens, so a request replayed after a crash gets the same (request_id, seq)
-for the same greedy tokens.
+engine produced the tokens.
+
+With a progress log (`progress.py`) every step's messages are recorded before they are handed on,
+and a request delivered again (after a crash, a restart, a rebalance) is resumed from its record:
+its recorded messages are sent again as they were, and the engine continues after its recorded
+tokens with its recorded seed, so no (request_id, seq) is ever sent with another content.
 """
 
 from __future__ import annotations
@@ -15,13 +19,15 @@ import time
 from dataclasses import dataclass, field
 
 from sluice.actors.conversation import remembered_turn
-from sluice.actors.engine_loop import EngineLoop, Rejection, StepResult
+from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, StepResult
 from sluice.actors.errors import error_step, wire_code
 from sluice.actors.messages import Ack, Envelope, StepMessage, TokenizedRequest, no_ack
 from sluice.actors.metrics import Metrics
+from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
+from sluice.engine.draws import new_seed
 from sluice.schemas.events import Timings, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,7 @@ class _Tracked:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finals: dict[int, StepOutput] = field(default_factory=dict)
     expired: bool = False  # aborted at its deadline
+    record: Progress | None = None  # what the progress log holds of it (with a progress log)
 
 
 class RunnerActor(Actor):
@@ -48,11 +55,13 @@ class RunnerActor(Actor):
         runner_id: str = "runner-0",
         max_queue: int = 256,
         metrics: Metrics | None = None,
+        progress: ProgressLog | None = None,
         name: str | None = None,
     ):
         super().__init__(name or runner_id, capacity=max_queue)
         self.engine = engine
         self.send_steps = send_steps
+        self.progress = progress
         self.runner_id = runner_id
         self.max_queue = max_queue
         self.metrics = metrics
@@ -87,19 +96,88 @@ class RunnerActor(Actor):
             # Redelivered while the first copy still runs (e.g. a rebalance): one copy is enough.
             log.warning("request %s is already running here; dropping the duplicate", request_id)
             return
-        self._tracked[request_id] = _Tracked(work, envelope.ack, time.time())
+        record = self.progress.get(work.request) if self.progress is not None else None
+        if record is not None and record.final is not None:
+            # It had finished: send everything again as it was, and nothing else.
+            log.info("request %s delivered again after its final: resending it", request_id)
+            await self._resend(work, record)
+            await self.send_steps(Envelope(record.final, envelope.ack))
+            return
+        request = work.request
+        tracked = _Tracked(work, envelope.ack, time.time())
+        resume = None
+        if record is not None:
+            log.info(
+                "request %s resumes after its %d published token message(s)",
+                request_id,
+                len(record.tokens),
+            )
+            await self._resend(work, record)
+            tracked.seq = record.next_seq
+            tracked.texts = record.texts()
+            tracked.token_ids = record.resume()
+            resume = record.resume()
+        else:
+            seed = request.seed if request.seed is not None else new_seed()
+            record = Progress(request_id=request_id, digest=request_digest(request), seed=seed)
+        if self.progress is not None:
+            tracked.record = record
+        self._tracked[request_id] = tracked
         self.peak_queue = max(self.peak_queue, len(self._tracked))
         if self.metrics:
             self.metrics.queue_depth.labels("runner").set(len(self._tracked))
             self.metrics.runner_peak_queue.labels(self.runner_id).set(self.peak_queue)
-        self._worker.submit(work)
+        self._worker.submit(Admission(work, record.seed, resume))
+
+    async def _resend(self, work: TokenizedRequest, record: Progress) -> None:
+        """The token messages recorded for this request, sent again as they were."""
+        for tokens in record.tokens:
+            message = StepMessage(
+                seq=tokens.seq,
+                index=tokens.index,
+                token_ids=tokens.token_ids,
+                text=tokens.text,
+                logprobs=tokens.logprobs,
+                **self._echo_of(work),
+            )
+            await self.send_steps(Envelope(message, no_ack))
 
     async def _pump(self) -> None:
         async for result in self._worker:
-            for message, ack in self._messages(result):
+            messages = self._messages(result)
+            if self.progress is not None:
+                await self._record(messages)
+            for message, ack, _ in messages:
                 await self.send_steps(Envelope(message, ack or no_ack))
             if self.metrics:
                 self._observe()
+
+    async def _record(
+        self, messages: list[tuple[StepMessage, Ack | None, _Tracked | None]]
+    ) -> None:
+        """Add the step's messages to their requests' records and write them (before any of the
+        messages goes out: a record holds at least what a client may have read)."""
+        changed: dict[str, Progress] = {}
+        for message, _, tracked in messages:
+            record = tracked.record if tracked is not None else None
+            if record is None:
+                continue
+            if message.finished:
+                record.final = message
+            else:
+                record.tokens.append(
+                    RecordedTokens(
+                        seq=message.seq,
+                        index=message.index,
+                        token_ids=message.token_ids,
+                        text=message.text,
+                        logprobs=message.logprobs,
+                    )
+                )
+            changed[record.request_id] = record
+        if changed:
+            assert self.progress is not None
+            await self.progress.save(list(changed.values()))
 
     def _observe(self) -> None:
         stats = self.engine.stats()  # plain reads of counters; a slightly stale value is fine
@@ -110,8 +188,11 @@ class RunnerActor(Actor):
 
     # -- step results -> messages --------------------------------------------------------------
 
-    def _messages(self, result: StepResult) -> list[tuple[StepMessage, Ack | None]]:
-        messages = []
+    def _messages(
+        self, result: StepResult
+    ) -> list[tuple[StepMessage, Ack | None, _Tracked | None]]:
+        """(message, the input's ack on a request's last message, the request's tracking)."""
+        messages: list[tuple[StepMessage, Ack | None, _Tracked | None]] = []
         for rejection in result.rejections:
             messages += self._rejection(rejection)
         for request_id in result.expired:
@@ -122,27 +203,29 @@ class RunnerActor(Actor):
             if tracked is None:
                 continue
             if out.new_token_ids or out.text:
-                messages.append((self._token_message(tracked, out), None))
+                messages.append((self._token_message(tracked, out), None, tracked))
             tracked.texts[out.index] = tracked.texts.get(out.index, "") + out.text
             tracked.token_ids.setdefault(out.index, []).extend(out.new_token_ids)
             if out.finished:
                 tracked.finals[out.index] = out
                 if len(tracked.finals) == tracked.work.request.n:
                     del self._tracked[out.request_id]
-                    messages.append((self._final_message(tracked), tracked.ack))
+                    messages.append((self._final_message(tracked), tracked.ack, tracked))
         return messages
 
-    def _rejection(self, rejection: Rejection) -> list[tuple[StepMessage, Ack]]:
+    def _rejection(self, rejection: Rejection) -> list[tuple[StepMessage, Ack, _Tracked | None]]:
         tracked = self._tracked.pop(rejection.request_id, None)
         if tracked is None:
             return []
         exc = rejection.error
-        return [
-            (error_step(tracked.work.request, wire_code(exc), str(exc), exc.field), tracked.ack)
-        ]
+        message = error_step(tracked.work.request, wire_code(exc), str(exc), exc.field)
+        return [(message.model_copy(update={"seq": tracked.seq}), tracked.ack, tracked)]
 
     def _echo(self, tracked: _Tracked) -> dict:
-        request = tracked.work.request
+        return self._echo_of(tracked.work)
+
+    def _echo_of(self, work: TokenizedRequest) -> dict:
+        request = work.request
         return dict(
             request_id=request.request_id,
             reply_topic=request.reply_topic,

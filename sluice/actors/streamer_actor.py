@@ -2,8 +2,9 @@
 
 Token events go out as soon as they arrive (the idempotent producer keeps them in order per
 partition: the reply topic is keyed by request id). A final or error event is awaited until Kafka
-has it; only then is the session written to Redis, and the input record acknowledged, so its
-offset is committed only after the final event is durable.
+has it, and so is every token event of its request before it; only then is the session written
+to Redis, and the input record acknowledged, so its offset is committed only after every event of
+the request is durable.
 
 Text deltas, stop strings and usage are computed by the engine, which sees the tokens first; the
 streamer formats, publishes and records.
@@ -42,6 +43,7 @@ class StreamerActor(Actor):
         self.sessions = sessions
         self.metrics = metrics
         self._finishing: set[asyncio.Task] = set()
+        self._token_deliveries: dict[str, list[asyncio.Future]] = {}  # request id -> unawaited
 
     async def handle(self, envelope: Envelope) -> None:
         message: StepMessage = envelope.body
@@ -61,6 +63,8 @@ class StreamerActor(Actor):
             delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
             if envelope.ack is not no_ack:  # one record per token message when roles run apart
                 self._track(self._ack_after(delivery, envelope))
+            else:
+                self._token_deliveries.setdefault(message.request_id, []).append(delivery)
             return
         else:
             event = FinalEvent(
@@ -98,11 +102,14 @@ class StreamerActor(Actor):
 
     async def _finish_request(self, delivery, envelope: Envelope) -> None:
         message: StepMessage = envelope.body
+        tokens = self._token_deliveries.pop(message.request_id, [])
         try:
-            await delivery
+            for future in [*tokens, delivery]:
+                await future
         except Exception:
             log.exception(
-                "final event of %s not delivered; its request stays uncommitted", message.request_id
+                "an event of %s was not delivered; its request stays uncommitted",
+                message.request_id,
             )
             return
         if (

@@ -20,7 +20,8 @@ def add_topic_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--topic-prefix",
         default="sluice",
-        help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)",
+        help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq, PREFIX.progress "
+        "(default: sluice)",
     )
 
 
@@ -35,6 +36,7 @@ def topics_from_args(args: argparse.Namespace):
         tokenized=f"{p}.internal.tokenized",
         work=f"{p}.internal.work",
         steps=f"{p}.internal.steps",
+        progress=f"{p}.progress",
     )
 
 

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -101,6 +101,7 @@ class RequestConsumer:
         heartbeat_interval_ms: int = 3_000,
         max_poll_interval_ms: int = 300_000,
         rebalance_timeout_ms: int | None = None,
+        on_assigned: Callable[[], Awaitable[None]] | None = None,
         **kafka_options: Any,
     ) -> None:
         self.topics = [topics] if isinstance(topics, str) else list(topics)
@@ -114,6 +115,8 @@ class RequestConsumer:
                 raise ValueError("low_water must be at least 0 and below max_in_flight")
         self.max_in_flight = max_in_flight
         self.low_water = low_water
+        # Awaited at every assignment before its records are handed out (state to restore).
+        self.on_assigned = on_assigned
         self.drain_timeout = drain_timeout
         self.max_poll_records = max_poll_records
         self.poll_timeout = poll_timeout
@@ -485,6 +488,11 @@ class RequestConsumer:
                 self._parts[tp] = _PartitionState(tp, self._generation, starts[tp])
             else:  # kept from a revocation that did not run: its records are still in flight
                 state.generation = self._generation
+        if self.on_assigned is not None:
+            try:
+                await self.on_assigned()
+            except Exception:
+                log.exception("restoring state for the new assignment failed")
         self._rebalancing = False
         self._update_flow()
         log.info(

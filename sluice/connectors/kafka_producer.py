@@ -113,6 +113,12 @@ class EventProducer:
         """Send one record and wait until the broker has it."""
         return await (await self.send(topic, key, value, headers, partition))
 
+    async def partitions_for(self, topic: str) -> set[int]:
+        """The topic's partition ids (waiting for its metadata)."""
+        if self._producer is None:
+            raise RuntimeError("EventProducer.start() was not called")
+        return set(await self._producer.partitions_for(topic))
+
     async def flush(self) -> None:
         """Wait until every queued record is sent (or failed)."""
         if self._producer is not None:

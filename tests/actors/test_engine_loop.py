@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sluice.actors.conversation import remembered_turn
-from sluice.actors.engine_loop import EngineLoop
+from sluice.actors.engine_loop import Admission, EngineLoop
 from sluice.actors.errors import wire_code
 from sluice.actors.messages import TokenizedRequest
 from sluice.engine import EngineConfig, LLMEngine
@@ -41,7 +41,7 @@ def engine(tmp_path_factory) -> LLMEngine:
     )
 
 
-def work(request_id: str, prompt_len: int = 5, **fields) -> TokenizedRequest:
+def work(request_id: str, prompt_len: int = 5, **fields) -> Admission:
     request = GenerateRequest(
         request_id=request_id,
         prompt="unused: the ids below are the prompt",
@@ -49,9 +49,10 @@ def work(request_id: str, prompt_len: int = 5, **fields) -> TokenizedRequest:
         ignore_eos=True,
         **fields,
     )
-    return TokenizedRequest(
+    tokenized = TokenizedRequest(
         request=request, prompt_token_ids=list(range(3, 3 + prompt_len)), received_at=time.time()
     )
+    return Admission(tokenized, seed=5)
 
 
 def run(loop: EngineLoop, steps: int = 100):
