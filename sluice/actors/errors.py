@@ -18,9 +18,15 @@ def wire_code(exc: EngineError) -> ErrorCode:
 
 
 def error_step(
-    request: GenerateRequest, code: str, message: str, field: str | None = None
+    request: GenerateRequest,
+    code: str,
+    message: str,
+    field: str | None = None,
+    *,
+    to_default_stream: bool = False,
 ) -> StepMessage:
-    """An error for a request that never reached a runner: its only event, seq 0."""
+    """An error for a request that never reached a runner: its only event, seq 0; on the default
+    tokens topic instead of the request's reply topic when that topic is the problem."""
     event = ErrorEvent.for_request(request, code, message, field=field, seq=0)
     return StepMessage(
         request_id=request.request_id,
@@ -28,7 +34,7 @@ def error_step(
         finished=True,
         finish_reason="error",
         error=event,
-        reply_topic=request.reply_topic,
+        reply_topic=None if to_default_stream else request.reply_topic,
         session_id=request.session_id,
         tenant=request.tenant,
         metadata=request.metadata,

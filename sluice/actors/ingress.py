@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from sluice.actors.messages import Envelope
 from sluice.actors.metrics import Metrics
+from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.transport import Sink
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
@@ -49,6 +50,7 @@ class Ingress:
         decode: Callable[[bytes], BaseModel] = decode_request,
         metrics: Metrics | None = None,
         on_committed: Callable[[list[str]], Awaitable[None]] | None = None,
+        reply_topics: ReplyTopics | None = None,
     ):
         self.consumer = consumer
         self.producer = producer
@@ -60,6 +62,7 @@ class Ingress:
         self._tasks: set[asyncio.Task] = set()
         self._pauses_reported = 0  # consumer.pauses already counted in the metrics
         self.on_committed = on_committed
+        self.reply_topics = reply_topics
         self._acked: list[tuple[TopicPartition, int, str]] = []  # done, not yet known committed
 
     async def run(self) -> None:
@@ -108,6 +111,9 @@ class Ingress:
     ) -> None:
         """Client-visible error for bad input: to the reply topic when the request id could be
         read, else to the dead-letter topic with the raw bytes. Then the offset may be committed."""
+        if reply_topic is not None and self.reply_topics is not None:
+            if await self.reply_topics.check(reply_topic) is not None:
+                reply_topic = None  # not one to send to: the default stream instead
         if event.request_id is not None:
             topic, key = reply_topic or self.tokens_topic, event.request_id
             event = event.model_copy(update={"seq": 0})

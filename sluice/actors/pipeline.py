@@ -23,6 +23,7 @@ from sluice.actors.ingress import Ingress
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import ProgressLog
+from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.roles import ROLES
 from sluice.actors.runner_actor import RunnerActor
 from sluice.actors.runtime import ActorFailed, ActorSystem, in_passing_thread
@@ -51,6 +52,11 @@ class Topics:
     work: str = "sluice.internal.work"
     steps: str = "sluice.internal.steps"
     progress: str = "sluice.progress"  # compacted: what each request in flight has published
+    replies: str = "sluice.replies.*"  # the pattern a request's reply_topic must match
+
+    def reserved(self) -> set[str]:
+        """The pipeline's own topics: never a reply topic."""
+        return {self.requests, self.dlq, self.progress, self.tokenized, self.work, self.steps}
 
 
 @dataclass
@@ -67,6 +73,7 @@ class PipelineConfig:
     metrics_port: int | None = None
     runner_id: str = field(default_factory=lambda: f"runner-{socket.gethostname()}-{os.getpid()}")
     drain_timeout_s: float = 60.0
+    create_reply_topics: bool = False  # create a missing reply topic (else: an error event)
 
 
 class Pipeline:
@@ -85,6 +92,7 @@ class Pipeline:
         self.ingress: Ingress | None = None
         self.engine = None
         self.progress: ProgressLog | None = None
+        self.reply_topics: ReplyTopics | None = None
         self._sinks: list[KafkaSink] = []
         self._stop = asyncio.Event()
 
@@ -129,6 +137,14 @@ class Pipeline:
             # What the requests in flight had published, before any of them is read again.
             self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.producer))
             await self.progress.start()
+        if self.role in (None, "tokenizer"):
+            self.reply_topics = ReplyTopics(
+                c.bootstrap_servers,
+                t.replies,
+                t.reserved(),
+                create=c.create_reply_topics,
+                partitions=c.partitions,
+            )
         builder = getattr(self, f"_build_{self.role or 'all'}")
         first, topic, decode = await builder()
         group = c.group if self.role is None else f"{c.group}-{self.role}"
@@ -149,6 +165,7 @@ class Pipeline:
             dlq_topic=t.dlq,
             metrics=self.metrics,
             on_committed=self.progress.forget if self.progress else None,
+            reply_topics=self.reply_topics,
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()
@@ -204,6 +221,7 @@ class Pipeline:
             self.sessions,
             scheduler.tell,
             streamer.tell,
+            reply_topics=self.reply_topics,
             capacity=c.max_in_flight,
         )
         self.system.add(tokenizer, sends_to=[scheduler, streamer])
@@ -225,6 +243,7 @@ class Pipeline:
             self.sessions,
             self._sink(t.tokenized, routing_key),
             self._sink(t.steps, _request_key),
+            reply_topics=self.reply_topics,
             capacity=c.max_in_flight,
         )
         self.system.add(actor)
@@ -306,6 +325,8 @@ class Pipeline:
             await sink.flush()
         if self.progress is not None:
             await self.progress.stop()
+        if self.reply_topics is not None:
+            await self.reply_topics.stop()
         if self.producer is not None:
             await self.producer.stop()
         if self.sessions is not None:

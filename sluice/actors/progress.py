@@ -1,11 +1,12 @@
 """What the runner remembers of every request it serves, so that one taken up again (after a crash,
 a restart, a rebalance) goes on from what was published instead of generating it anew.
 
-The record of a request lives in the progress changelog (`PREFIX.progress`, compacted, key =
-request id; `connectors.changelog`): its seed, every token message handed to the streamer, and its
-final message once there is one. The runner writes a step's records, and waits until the broker
-has them, before it hands that step's messages on, so a record always holds at least what a
-client may have read. A request seen again then
+The record of a request lives in the progress changelog (`PREFIX.progress`, compacted;
+`connectors.changelog`): under its request id a header (digest, seed, and the final message once
+there is one), under `request_id seq` each token message handed to the streamer, one record each
+so that a step writes only what is new. The runner writes a step's records, and waits until the
+broker has them, before it hands that step's messages on, so the records always hold at least what
+a client may have read. A request seen again then
 
 - re-sends its recorded messages (the same seq, the same content: consumers drop the copies),
 - and, if it had not finished, continues in the engine after the recorded tokens with the same
@@ -51,8 +52,19 @@ class Progress(BaseModel):
     request_id: str
     digest: str  # of the request as sent: another request under the same id does not resume
     seed: int
-    tokens: list[RecordedTokens] = Field(default_factory=list)  # in seq order
     final: StepMessage | None = None
+    tokens: list[RecordedTokens] = Field(default_factory=list, exclude=True)  # in seq order
+    # What `ProgressLog.save` has still to write (not part of any record).
+    unsaved_tokens: int = Field(default=0, exclude=True)
+    header_saved: bool = Field(default=False, exclude=True)
+
+    def add_tokens(self, tokens: RecordedTokens) -> None:
+        self.tokens.append(tokens)
+        self.unsaved_tokens += 1
+
+    def finish(self, final: StepMessage) -> None:
+        self.final = final
+        self.header_saved = False
 
     @property
     def next_seq(self) -> int:
@@ -94,7 +106,8 @@ class ProgressLog:
 
     def get(self, request: GenerateRequest) -> Progress | None:
         """The record of this request, if one is left from an earlier delivery."""
-        raw = self.changelog.get(request.request_id)
+        rid = request.request_id
+        raw = self.changelog.get(rid)
         if raw is None:
             return None
         record = Progress.model_validate_json(raw)
@@ -105,12 +118,29 @@ class ProgressLog:
                 request.request_id,
             )
             return None
+        record.header_saved = True
+        while (tokens := self.changelog.get(_token_key(rid, len(record.tokens)))) is not None:
+            record.tokens.append(RecordedTokens.model_validate_json(tokens))
         return record
 
     async def save(self, records: list[Progress]) -> None:
-        """Write the records and wait until the broker has them. While the broker refuses, keep
-        trying: the step's messages wait, and behind them the engine (its results are bounded)."""
-        payload = {r.request_id: r.model_dump_json(exclude_none=True).encode() for r in records}
+        """Write what is new in the records and wait until the broker has it. While the broker
+        refuses, keep trying: the step's messages wait, and behind them the engine (whose results
+        waiting to be read are bounded)."""
+        payload: dict[str, bytes] = {}
+        for r in records:
+            if not r.header_saved:
+                payload[r.request_id] = r.model_dump_json(exclude_none=True).encode()
+            for tokens in r.tokens[len(r.tokens) - r.unsaved_tokens :]:
+                payload[_token_key(r.request_id, tokens.seq)] = tokens.model_dump_json(
+                    exclude_none=True
+                ).encode()
+        if payload:
+            await self._put(payload)
+        for r in records:
+            r.header_saved, r.unsaved_tokens = True, 0
+
+    async def _put(self, payload: dict[str, bytes]) -> None:
         attempt = 0
         while True:
             try:
@@ -129,9 +159,22 @@ class ProgressLog:
 
     async def forget(self, request_ids: list[str]) -> None:
         """Tombstone the records of requests that will not be delivered again."""
-        known = [rid for rid in request_ids if self.changelog.get(rid) is not None]
-        if known:
+        keys = []
+        for rid in request_ids:
+            if self.changelog.get(rid) is None:
+                continue
+            keys.append(rid)
+            seq = 0
+            while self.changelog.get(_token_key(rid, seq)) is not None:
+                keys.append(_token_key(rid, seq))
+                seq += 1
+        if keys:
             try:
-                await self.changelog.delete(*known)
+                await self.changelog.delete(*keys)
             except Exception:  # noqa: BLE001 - a missed tombstone costs a stale record, no more
-                log.warning("tombstoning %d progress record(s) failed", len(known), exc_info=True)
+                log.warning("tombstoning %d progress record(s) failed", len(keys), exc_info=True)
+
+
+def _token_key(request_id: str, seq: int) -> str:
+    # A space never appears in a request id (printable ASCII without spaces): no key collides.
+    return f"{request_id} {seq}"

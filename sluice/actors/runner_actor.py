@@ -163,9 +163,9 @@ class RunnerActor(Actor):
             if record is None:
                 continue
             if message.finished:
-                record.final = message
+                record.finish(message)
             else:
-                record.tokens.append(
+                record.add_tokens(
                     RecordedTokens(
                         seq=message.seq,
                         index=message.index,

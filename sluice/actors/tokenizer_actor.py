@@ -13,6 +13,7 @@ import time
 from sluice.actors.conversation import build_prompt
 from sluice.actors.errors import error_step, wire_code
 from sluice.actors.messages import Envelope, TokenizedRequest
+from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.runtime import Actor
 from sluice.actors.transport import Sink
 from sluice.connectors.sessions import SessionStore
@@ -33,6 +34,7 @@ class TokenizerActor(Actor):
         send_work: Sink,
         send_error: Sink,
         *,
+        reply_topics: ReplyTopics | None = None,
         name: str = "tokenizer",
         capacity: int = 256,
     ):
@@ -42,6 +44,7 @@ class TokenizerActor(Actor):
         self.sessions = sessions
         self.send_work = send_work
         self.send_error = send_error
+        self.reply_topics = reply_topics
 
     async def handle(self, envelope: Envelope) -> None:
         request: GenerateRequest = envelope.body
@@ -53,6 +56,18 @@ class TokenizerActor(Actor):
                 "deadline",
             )
             return
+        if request.reply_topic is not None and self.reply_topics is not None:
+            why = await self.reply_topics.check(request.reply_topic)
+            if why is not None:
+                step = error_step(
+                    request,
+                    ErrorCode.INVALID_REQUEST,
+                    f"reply_topic: {why}",
+                    "reply_topic",
+                    to_default_stream=True,
+                )
+                await self.send_error(Envelope(step, envelope.ack))
+                return
         history_messages, history_ids = None, None
         if request.session_id is not None and self.sessions is not None:
             record = await self.sessions.get(request.tenant, request.session_id)

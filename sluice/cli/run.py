@@ -37,6 +37,7 @@ def topics_from_args(args: argparse.Namespace):
         work=f"{p}.internal.work",
         steps=f"{p}.internal.steps",
         progress=f"{p}.progress",
+        replies=getattr(args, "reply_topics", None) or f"{p}.replies.*",
     )
 
 
@@ -66,6 +67,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--session-ttl", type=int, default=3600, help="seconds a session is remembered"
+    )
+    parser.add_argument(
+        "--reply-topics",
+        metavar="PATTERN",
+        help="the topics a request may name as reply_topic, shell-style "
+        "(default: PREFIX.replies.*; never the pipeline's own topics)",
+    )
+    parser.add_argument(
+        "--create-reply-topics",
+        action="store_true",
+        help="create a missing reply topic (default: the request gets an error event)",
     )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--runner-id", help="name of this runner (default: host and pid)")
@@ -97,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         session_ttl_s=args.session_ttl,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
+        create_reply_topics=args.create_reply_topics,
     )
     if args.runner_id:
         config.runner_id = args.runner_id
