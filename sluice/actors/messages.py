@@ -56,6 +56,8 @@ class StepMessage(_Internal):
     full_text: str | None = None  # on the final message
     choices: list[dict] | None = None  # on the final message when n > 1
     seed: int | None = None  # on the final message: the request's seed (or the one it was given)
+    failure: str | None = None  # on a final with finish_reason "error": what went wrong
+    dead_letter: str | None = None  # the request (JSON), when it goes to the dead-letter topic
     error: ErrorEvent | None = None  # set instead of tokens when the request failed
     # Echoed from the request so the streamer needs no other state.
     reply_topic: str | None = None

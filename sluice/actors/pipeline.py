@@ -74,6 +74,9 @@ class PipelineConfig:
     runner_id: str = field(default_factory=lambda: f"runner-{socket.gethostname()}-{os.getpid()}")
     drain_timeout_s: float = 60.0
     create_reply_topics: bool = False  # create a missing reply topic (else: an error event)
+    # A request being served this many times in a row when the process stopped, without getting
+    # further, is dead-lettered instead of taken up again.
+    max_crashes: int = 5
 
 
 class Pipeline:
@@ -182,10 +185,12 @@ class Pipeline:
 
     async def _engine(self):
         from sluice.engine import LLMEngine
+        from sluice.engine.faults import fault_hook_from_env
 
         # Loading takes seconds: keep the loop free meanwhile (in a thread that then ends: see
         # in_passing_thread for why not asyncio.to_thread).
         self.engine = await in_passing_thread(LLMEngine, self.config.model, self.config.engine)
+        self.engine.fault_hook = fault_hook_from_env(self.engine.tokenizer)  # tests only
         return self.engine
 
     def _sink(self, topic: str, key) -> KafkaSink:
@@ -199,6 +204,7 @@ class Pipeline:
             self.config.topics.tokens,
             self.sessions,
             metrics=self.metrics,
+            dlq_topic=self.config.topics.dlq,
             capacity=max(1024, 4 * self.config.max_in_flight),
         )
 
@@ -213,6 +219,7 @@ class Pipeline:
             max_queue=c.max_in_flight,
             metrics=self.metrics,
             progress=self.progress,
+            max_crashes=c.max_crashes,
         )
         scheduler = SchedulerActor([runner.tell], streamer.tell, capacity=c.max_in_flight)
         tokenizer = TokenizerActor(
@@ -269,6 +276,7 @@ class Pipeline:
             max_queue=c.max_in_flight,
             metrics=self.metrics,
             progress=self.progress,
+            max_crashes=c.max_crashes,
         )
         self.system.add(actor)
         self.runner = actor

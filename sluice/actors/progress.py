@@ -52,6 +52,11 @@ class Progress(BaseModel):
     request_id: str
     digest: str  # of the request as sent: another request under the same id does not resume
     seed: int
+    # How its stints in an engine ended: `crashes` counts those in a row that ended (the process
+    # stopped) with nothing published since the stint began (at `seq_at_admission`).
+    admissions: int = 0
+    seq_at_admission: int = 0
+    crashes: int = 0
     final: StepMessage | None = None
     tokens: list[RecordedTokens] = Field(default_factory=list, exclude=True)  # in seq order
     # What `ProgressLog.save` has still to write (not part of any record).
@@ -61,6 +66,20 @@ class Progress(BaseModel):
     def add_tokens(self, tokens: RecordedTokens) -> None:
         self.tokens.append(tokens)
         self.unsaved_tokens += 1
+
+    def delivered_again(self) -> None:
+        """The request is here again: its last stint in an engine ended with the process (or its
+        ownership of the request). Count it as a crash when it had published nothing since."""
+        if self.admissions:
+            stalled = self.next_seq == self.seq_at_admission
+            self.crashes = self.crashes + 1 if stalled else 0
+            self.header_saved = False
+
+    def admitted(self) -> None:
+        """A new stint in the engine begins (record it before the engine sees the request)."""
+        self.admissions += 1
+        self.seq_at_admission = self.next_seq
+        self.header_saved = False
 
     def finish(self, final: StepMessage) -> None:
         self.final = final

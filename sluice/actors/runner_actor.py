@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from sluice.actors.conversation import remembered_turn
@@ -31,6 +32,8 @@ from sluice.engine.draws import new_seed
 from sluice.schemas.events import Timings, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
+
+RESTARTED = "the runner restarted while serving this request"
 
 
 @dataclass
@@ -56,17 +59,22 @@ class RunnerActor(Actor):
         max_queue: int = 256,
         metrics: Metrics | None = None,
         progress: ProgressLog | None = None,
+        max_crashes: int = 5,
         name: str | None = None,
     ):
         super().__init__(name or runner_id, capacity=max_queue)
         self.engine = engine
         self.send_steps = send_steps
         self.progress = progress
+        self.max_crashes = max_crashes
         self.runner_id = runner_id
         self.max_queue = max_queue
         self.metrics = metrics
         self.model_id = engine.model_id.rsplit("/", 1)[-1]
         self._tracked: dict[str, _Tracked] = {}
+        self._readmit: list[_Tracked] = []  # after a restart, to admit again
+        self._suspects: deque[Admission] = deque()  # waiting to be admitted alone
+        self._probing: str | None = None  # the suspect admitted last
         self._worker: ThreadedWorker | None = None
         self.peak_queue = 0  # most requests the engine held at once (bounded by max_queue)
         if metrics:
@@ -84,10 +92,30 @@ class RunnerActor(Actor):
         )
         self._worker.start()
         self.spawn(self._pump(), name=f"{self.runner_id}-pump")
+        readmit, self._readmit = self._readmit, []
+        for tracked in readmit:
+            if tracked.record is None:
+                self._tracked.pop(tracked.work.request.request_id, None)
+                await self.send_steps(Envelope(self._failed(tracked, RESTARTED), tracked.ack))
+            else:
+                record = tracked.record
+                self._worker.submit(Admission(tracked.work, record.seed, record.resume()))
 
     async def on_stop(self) -> None:
         if self._worker is not None:
             await self._worker.stop(drain=False)
+
+    async def on_restart(self, exc: BaseException) -> None:
+        """After a crash (the engine thread failed): what the engine held is dropped, and every
+        request this actor tracks is admitted again when the new engine thread starts: resumed
+        from its progress record, or, without a progress log, failed with an error final."""
+        self.engine.reset()
+        self._readmit = list(self._tracked.values())
+        log.warning(
+            "runner restarted after %s: taking up its %d request(s) again",
+            type(exc).__name__,
+            len(self._readmit),
+        )
 
     async def handle(self, envelope: Envelope) -> None:
         work: TokenizedRequest = envelope.body
@@ -117,6 +145,7 @@ class RunnerActor(Actor):
             tracked.texts = record.texts()
             tracked.token_ids = record.resume()
             resume = record.resume()
+            record.delivered_again()
         else:
             seed = request.seed if request.seed is not None else new_seed()
             record = Progress(request_id=request_id, digest=request_digest(request), seed=seed)
@@ -127,7 +156,90 @@ class RunnerActor(Actor):
         if self.metrics:
             self.metrics.queue_depth.labels("runner").set(len(self._tracked))
             self.metrics.runner_peak_queue.labels(self.runner_id).set(self.peak_queue)
-        self._worker.submit(Admission(work, record.seed, resume))
+        admission = Admission(work, record.seed, resume)
+        if self.progress is None:
+            self._worker.submit(admission)
+        elif record.crashes >= self.max_crashes:
+            await self._dead_letter(tracked)
+        elif record.crashes:
+            # It was in the engine when the process stopped, and got no further: a suspect. Run
+            # suspects one at a time, so the one that stops the process is the one counted.
+            log.warning(
+                "request %s was being served when the process stopped (%d time(s) in a "
+                "row without getting further): admitted alone",
+                request_id,
+                record.crashes,
+            )
+            self._suspects.append(admission)
+            self._next_suspect()
+        else:
+            self.spawn(self._admit(admission, record), name=f"admit-{request_id}")
+
+    async def _admit(self, admission: Admission, record: Progress) -> None:
+        """Record the new stint before the engine sees the request (so a request that crashes
+        the process is known to have been in the engine), then hand it over."""
+        assert self.progress is not None and self._worker is not None
+        record.admitted()
+        await self.progress.save([record])
+        if admission.work.request.request_id in self._tracked:
+            self._worker.submit(admission)
+
+    def _next_suspect(self) -> None:
+        """Admit the next suspect once the one admitted before it got further (or ended)."""
+        if self._probing is not None and self._probing in self._tracked:
+            probe = self._tracked[self._probing]
+            if probe.record is None or probe.seq == probe.record.seq_at_admission:
+                return  # still no further
+        self._probing = None
+        while self._suspects:
+            admission = self._suspects.popleft()
+            tracked = self._tracked.get(admission.work.request.request_id)
+            if tracked is None or tracked.record is None:
+                continue
+            self._probing = admission.work.request.request_id
+            self.spawn(self._admit(admission, tracked.record), name=f"admit-{self._probing}")
+            return
+
+    async def _dead_letter(self, tracked: _Tracked) -> None:
+        """A request that was being served each time the process stopped, `max_crashes` times
+        without getting further: it ends with an error (and goes to the dead-letter topic)."""
+        record = tracked.record
+        assert record is not None and self.progress is not None
+        self._tracked.pop(record.request_id, None)
+        why = (
+            f"dead-lettered: the pipeline stopped {record.crashes} times while "
+            "serving this request, without it getting further"
+        )
+        log.error("request %s %s", record.request_id, why)
+        raw = tracked.work.request.model_dump_json(exclude_none=True)
+        message = self._failed(tracked, why).model_copy(update={"dead_letter": raw})
+        record.finish(message)
+        await self.progress.save([record])
+        await self.send_steps(Envelope(message, tracked.ack))
+
+    def _failed(self, tracked: _Tracked, why: str) -> StepMessage:
+        """A final with finish_reason "error" after what the request had published."""
+        texts = tracked.texts
+        return StepMessage(
+            seq=tracked.seq,
+            finished=True,
+            finish_reason="error",
+            failure=why,
+            usage=Usage(
+                prompt_tokens=len(tracked.work.prompt_token_ids),
+                cached_tokens=0,
+                completion_tokens=sum(len(ids) for ids in tracked.token_ids.values()),
+            ),
+            timings=Timings(
+                queue_s=0.0,
+                ttft_s=None,
+                tpot_s=None,
+                total_s=max(0.0, time.time() - tracked.work.received_at),
+            ),
+            full_text=texts.get(0, ""),
+            seed=tracked.record.seed if tracked.record else None,
+            **self._echo(tracked),
+        )
 
     async def _resend(self, work: TokenizedRequest, record: Progress) -> None:
         """The token messages recorded for this request, sent again as they were."""
@@ -149,6 +261,8 @@ class RunnerActor(Actor):
                 await self._record(messages)
             for message, ack, _ in messages:
                 await self.send_steps(Envelope(message, ack or no_ack))
+            if self._probing is not None:
+                self._next_suspect()
             if self.metrics:
                 self._observe()
 
@@ -296,7 +410,7 @@ class RunnerActor(Actor):
                 for i, o in sorted(tracked.finals.items())
             ]
         session_messages = session_ids = None
-        if request.session_id is not None:
+        if request.session_id is not None and first.finish_reason != "error":
             session_messages, session_ids = remembered_turn(
                 tracked.work, tracked.texts.get(0, ""), tracked.token_ids.get(0, [])
             )
@@ -310,6 +424,7 @@ class RunnerActor(Actor):
             full_text=tracked.texts.get(0, ""),
             choices=choices,
             seed=first.seed,
+            failure=next((o.error for o in tracked.finals.values() if o.error), None),
             session_messages=session_messages,
             session_token_ids=session_ids,
             **self._echo(tracked),

@@ -20,8 +20,8 @@ from sluice.actors.metrics import Metrics
 from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionRecord, SessionStore
-from sluice.schemas import FinalEvent, TokenEvent, encode
-from sluice.schemas.events import Choice
+from sluice.schemas import ErrorEvent, FinalEvent, TokenEvent, encode
+from sluice.schemas.events import Choice, ErrorCode, Failure
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class StreamerActor(Actor):
         sessions: SessionStore | None,
         *,
         metrics: Metrics | None = None,
+        dlq_topic: str | None = None,
         name: str = "streamer",
         capacity: int = 1024,
     ):
@@ -42,6 +43,7 @@ class StreamerActor(Actor):
         self.tokens_topic = tokens_topic
         self.sessions = sessions
         self.metrics = metrics
+        self.dlq_topic = dlq_topic
         self._finishing: set[asyncio.Task] = set()
         self._token_deliveries: dict[str, list[asyncio.Future]] = {}  # request id -> unawaited
 
@@ -78,10 +80,27 @@ class StreamerActor(Actor):
                 text=message.full_text or "",
                 choices=[Choice(**c) for c in message.choices] if message.choices else None,
                 seed=message.seed,
+                error=Failure(code=ErrorCode.INTERNAL, message=message.failure)
+                if message.failure
+                else None,
                 session_id=message.session_id,
                 metadata=message.metadata,
             )
         delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
+        if message.dead_letter is not None and self.dlq_topic is not None:
+            letter = ErrorEvent(
+                request_id=message.request_id,
+                code=ErrorCode.INTERNAL,
+                message=message.failure or "dead-lettered",
+                session_id=message.session_id,
+                metadata=message.metadata,
+            )
+            letter = letter.with_raw(message.dead_letter.encode())
+            self._token_deliveries.setdefault(message.request_id, []).append(
+                await self.producer.send(
+                    self.dlq_topic, key=message.request_id, value=encode(letter)
+                )
+            )
         self._track(self._finish_request(delivery, envelope))
 
     def _track(self, coro) -> None:

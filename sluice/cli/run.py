@@ -79,6 +79,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="create a missing reply topic (default: the request gets an error event)",
     )
+    parser.add_argument(
+        "--max-crashes",
+        type=int,
+        default=5,
+        help="dead-letter a request the process stopped serving this many times in a row "
+        "without it getting further (default 5)",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--runner-id", help="name of this runner (default: host and pid)")
     parser.add_argument(
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
         create_reply_topics=args.create_reply_topics,
+        max_crashes=args.max_crashes,
     )
     if args.runner_id:
         config.runner_id = args.runner_id

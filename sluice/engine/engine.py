@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,7 +46,7 @@ from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timings, Usage
 from sluice.engine.sampler import Sampler, TokenLogprobs
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.scheduler import BatchScheduler
+from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
 from sluice.engine.sequence import Sequence, SequenceStatus
 from sluice.engine.tokenizer import Tokenizer
 
@@ -118,6 +118,9 @@ class LLMEngine:
             StepOutput
         ] = []  # finals of aborted requests, returned by the next step
         self._ids = itertools.count()
+        self._last_scheduled: list[str] = []  # request ids of the last batch scheduled
+        # Called with each batch before it runs (tests inject faults through it: `faults`).
+        self.fault_hook: Callable[[ScheduledBatch], None] | None = None
         self.memory = memory_report(self.model_config, self.config, model_obj, self.runner)
         self._log_ready(time.monotonic() - started, num_blocks)
 
@@ -307,6 +310,16 @@ class LLMEngine:
             self._pending.append(self._final_output(request, seq, [], ""))
         return True
 
+    def reset(self) -> list[str]:
+        """Drop every request, freeing its blocks, with no outputs: for a caller that will admit
+        them again (a runner restarted after a crash). Returns their ids."""
+        ids = list(self._requests)
+        for request_id in ids:
+            self.scheduler.abort(request_id)
+        self._requests.clear()
+        self._pending.clear()
+        return ids
+
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still in the engine (not finished, not aborted)."""
         return request_id in self._requests
@@ -325,12 +338,27 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Run one batch; return what each request produced (new tokens, text, finish)."""
+        """Run one batch; return what each request produced (new tokens, text, finish).
+
+        A fault while serving the batch ends only the request that causes it (its final output
+        has finish_reason "error" and says why); the others go on (`_isolate_fault`)."""
         outputs, self._pending = self._pending, []
-        batch = self.scheduler.schedule()
+        try:
+            outputs += self._step()
+        except Exception as exc:  # noqa: BLE001 - any fault: find the request it belongs to
+            outputs += self._isolate_fault(exc)
+        return outputs
+
+    def _step(self, only: set[str] | None = None) -> list[StepOutput]:
+        """One batch (of the requests in `only`, when given)."""
+        batch = self.scheduler.schedule(only)
+        self._last_scheduled = list(dict.fromkeys(seq.request_id for seq in batch.seqs))
         if not batch.seqs:
             self._forget_finished()  # resumed requests that had finished already
-            return outputs
+            return []
+        outputs: list[StepOutput] = []
+        if self.fault_hook is not None:
+            self.fault_hook(batch)
         now = time.monotonic()
         for seq in batch.seqs:
             request = self._requests[seq.request_id]
@@ -348,14 +376,73 @@ class LLMEngine:
         now = time.monotonic()
         forks: list[tuple[Request, int]] = []
         for row, (seq, token, lp) in enumerate(zip(sampled, result.token_ids, result.logprobs)):
-            request = self._requests[seq.request_id]
-            outputs.append(self._advance(request, seq, token, lp, now))
-            if request.params.n > 1 and len(request.seqs) == 1:
-                forks.append((request, row))
+            owner = self._requests.get(seq.request_id)
+            if owner is None:
+                continue  # failed a moment ago, by another of its completions
+            try:
+                outputs.append(self._advance(owner, seq, token, lp, now))
+            except Exception as exc:  # noqa: BLE001 - this request's text or stop checks
+                outputs += self._fail(owner.request_id, exc)
+                continue
+            if owner.params.n > 1 and len(owner.seqs) == 1:
+                forks.append((owner, row))
         for request, row in forks:
             outputs += self._fork_samples(request, logits[row : row + 1], now)
         self._forget_finished()
         return outputs
+
+    def _isolate_fault(self, exc: Exception) -> list[StepOutput]:
+        """After a batch failed: run halves of it until the one request whose tokens fail alone is
+        found, and end that request with an error. What the halves that ran produced is returned.
+        (Nothing of the failed batch was kept: its tokens are computed again.)"""
+        suspects = list(self._last_scheduled)
+        log.warning(
+            "a step of %d request(s) failed (%s: %s); looking for the one that fails it",
+            len(suspects),
+            type(exc).__name__,
+            exc,
+        )
+        outputs: list[StepOutput] = []
+        while len(suspects) > 1:
+            half, rest = suspects[: len(suspects) // 2], suspects[len(suspects) // 2 :]
+            try:
+                outputs += self._step(set(half))
+                suspects = rest
+            except Exception as again:  # noqa: BLE001
+                suspects, exc = half, again
+            suspects = [rid for rid in suspects if rid in self._requests]
+        if suspects:
+            try:
+                outputs += self._step(set(suspects))
+            except Exception as alone:  # noqa: BLE001
+                outputs += self._fail(suspects[0], alone)
+        return outputs
+
+    def _fail(self, request_id: str, exc: BaseException) -> list[StepOutput]:
+        log.error(
+            "request %s failed in the engine; it ends with finish_reason 'error'",
+            request_id,
+            exc_info=exc,
+        )
+        self.fail(request_id, f"{type(exc).__name__}: {exc}")
+        outputs, self._pending = self._pending, []
+        return outputs
+
+    def fail(self, request_id: str, error: str) -> bool:
+        """End a request now with finish_reason "error" (its final outputs carry `error`) and
+        free its KV blocks; the next step() returns its final outputs."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        unfinished = [s for s in request.seqs if s.finish_reason is None]
+        self.scheduler.abort(request_id)
+        now = time.monotonic()
+        for seq in unfinished:
+            seq.finish_reason, seq.finished_time = "error", now
+            final = self._final_output(request, seq, [], "")
+            final.error = error
+            self._pending.append(final)
+        return True
 
     def _forget_finished(self) -> None:
         for request_id in [r for r, req in self._requests.items() if req.finished]:

@@ -33,13 +33,14 @@ class StepOutput:
     new_token_ids: list[int]
     text: str  # text delta, safe to show (no partial characters, no stop text)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Set on the finishing output:
     usage: Usage | None = None
     timings: Timings | None = None
     seed: int | None = None  # the request's seed (given to it when it had none)
+    error: str | None = None  # why it failed, with finish_reason "error"
 
 
 @dataclass

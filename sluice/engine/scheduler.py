@@ -197,7 +197,9 @@ class BatchScheduler:
         }
 
     # --- one step ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, only: set[str] | None = None) -> ScheduledBatch:
+        """The next batch; of the sequences of the requests in `only`, when given (the others
+        wait, untouched: how the engine narrows down a fault)."""
         bm = self.block_manager
         copies, self._pending_copies = self._pending_copies, []
         chosen: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, n), in scheduling order
@@ -233,8 +235,9 @@ class BatchScheduler:
             return True
 
         # 1. Running seqs: decodes first so a long prefill chunk cannot starve them, then chunks.
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        chunks = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        running = [s for s in self.running if only is None or s.request_id in only]
+        decodes = [s for s in running if s.num_uncomputed_tokens == 1]
+        chunks = [s for s in running if s.num_uncomputed_tokens > 1]
         for seq in decodes + chunks:
             if budget == 0 or len(chosen) >= self.max_num_seqs:
                 break
@@ -256,14 +259,19 @@ class BatchScheduler:
 
         # 2. Waiting seqs in (priority, arrival) order, unless this step already had to preempt
         # (the cache is full; admitting more would only thrash).
+        def next_waiting() -> Sequence | None:
+            if only is None:
+                return self.waiting[0] if self.waiting else None
+            return next((s for s in self.waiting if s.request_id in only), None)
+
         while (
             not preempted
-            and self.waiting
+            and (candidate := next_waiting()) is not None
             and budget > 0
             and len(chosen) < self.max_num_seqs
             and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = candidate
             cached = bm.num_cached_prefix_tokens(seq)
             n = min(seq.num_tokens - cached, budget)
             # Preempt only if that can make the whole chunk fit (else it was for nothing).
@@ -275,7 +283,7 @@ class BatchScheduler:
                         "was it grown past max_tokens/max_model_len?"
                     )
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             bm.allocate(seq, n)
             assert seq.num_computed_tokens == cached
             seq.status = SequenceStatus.RUNNING

@@ -160,6 +160,13 @@ class Choice(_Wire):
     completion_tokens: int = Field(ge=0)
 
 
+class Failure(_Wire):
+    """Why a request ended with finish_reason ``error``."""
+
+    code: str = Field(description="internal: a fault inside sluice while serving the request.")
+    message: str
+
+
 class FinalEvent(_Wire):
     """The last event of a served request."""
 
@@ -178,6 +185,9 @@ class FinalEvent(_Wire):
     choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
     seed: int | None = Field(
         None, description="The request's seed, or the one it was given: send it to replay it."
+    )
+    error: Failure | None = Field(
+        None, description="Why it failed, when finish_reason is error (the tokens sent stay valid)."
     )
     session_id: str | None = None
     metadata: dict[str, JsonValue] | None = None

@@ -1,0 +1,55 @@
+"""Fault injection, for tests of what a fault inside one request does: the engine fails while
+serving one request, as a bug in a kernel or an input no code path expected would.
+
+`SLUICE_INJECT_FAULT=raise:MARKER` makes every step that computes a sequence whose prompt text
+contains MARKER raise (the engine then ends that request alone with finish_reason "error");
+`exit:MARKER` ends the process on the spot instead, as a crash in native code would (the pipeline,
+restarted, then meets the request again: after a few such crashes it goes to the dead-letter topic).
+Nothing is injected without the variable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from sluice.engine.scheduler import ScheduledBatch
+from sluice.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+ENV = "SLUICE_INJECT_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """The fault `SLUICE_INJECT_FAULT` asked for."""
+
+
+def fault_hook_from_env(tokenizer: Tokenizer | None) -> Callable[[ScheduledBatch], None] | None:
+    spec = os.environ.get(ENV)
+    if not spec or tokenizer is None:
+        return None
+    mode, _, marker = spec.partition(":")
+    if mode not in ("raise", "exit") or not marker:
+        raise ValueError(f"{ENV} must be raise:MARKER or exit:MARKER, not {spec!r}")
+    log.warning(
+        "%s is set: steps computing a prompt that contains %r will %s",
+        ENV,
+        marker,
+        "raise" if mode == "raise" else "end the process",
+    )
+    poisoned: dict[int, bool] = {}  # seq id -> its prompt holds the marker
+
+    def hook(batch: ScheduledBatch) -> None:
+        for seq in batch.seqs:
+            hit = poisoned.get(seq.seq_id)
+            if hit is None:
+                text = tokenizer.decode(seq.prompt_token_ids, skip_special_tokens=False)
+                hit = poisoned[seq.seq_id] = marker in text
+            if hit:
+                if mode == "exit":
+                    os._exit(70)  # no cleanup, as a crash
+                raise InjectedFault(f"injected fault for a prompt containing {marker!r}")
+
+    return hook
