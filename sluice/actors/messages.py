@@ -35,6 +35,7 @@ class TokenizedRequest(_Internal):
     prompt_token_ids: list[int]
     # The conversation that the prompt continues (chat messages so far), for the session update.
     conversation: list[dict] = Field(default_factory=list)
+    history_messages: int = 0  # messages of the conversation before this turn
     history_tokens: int = 0  # prompt tokens that came from earlier turns of the session
     received_at: float  # unix time the request was read from Kafka (queue time starts here)
 
@@ -69,6 +70,7 @@ class StepMessage(_Internal):
     # On the final message of a session's turn: the conversation to remember.
     session_messages: list[dict] | None = None
     session_token_ids: list[int] | None = None
+    session_start: tuple[int, int] | None = None  # (messages, token ids) before this turn
 
 
 @dataclass

@@ -427,6 +427,9 @@ class RunnerActor(Actor):
             failure=next((o.error for o in tracked.finals.values() if o.error), None),
             session_messages=session_messages,
             session_token_ids=session_ids,
+            session_start=(tracked.work.history_messages, tracked.work.history_tokens)
+            if session_messages is not None
+            else None,
             **self._echo(tracked),
         )
         tracked.seq += 1

@@ -19,7 +19,7 @@ from sluice.actors.messages import Envelope, StepMessage, no_ack
 from sluice.actors.metrics import Metrics
 from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
-from sluice.connectors.sessions import SessionRecord, SessionStore
+from sluice.connectors.sessions import SessionStore
 from sluice.schemas import ErrorEvent, FinalEvent, TokenEvent, encode
 from sluice.schemas.events import Choice, ErrorCode, Failure
 
@@ -131,22 +131,20 @@ class StreamerActor(Actor):
                 message.request_id,
             )
             return
-        if (
-            message.session_id is not None
-            and message.session_token_ids is not None
-            and self.sessions
-        ):
-            previous = await self.sessions.get(message.tenant, message.session_id)
-            record = SessionRecord(
-                tenant=message.tenant,
-                session_id=message.session_id,
-                messages=message.session_messages or [],
-                token_ids=message.session_token_ids,
-                owner=message.runner_id,
-                model=message.model,
-                turns=(previous.turns if previous else 0) + 1,
-            )
-            await self.sessions.update(record)
+        if message.session_id is not None and self.sessions is not None:
+            if message.session_token_ids is not None:
+                await self.sessions.record_turn(
+                    message.tenant,
+                    message.session_id,
+                    message.request_id,
+                    message.session_messages or [],
+                    message.session_token_ids,
+                    message.session_start or (0, 0),
+                    owner=message.runner_id,
+                    model=message.model,
+                )
+            else:  # it ended without an answer to remember: the next turn need not wait
+                await self.sessions.end_turn(message.tenant, message.session_id, message.request_id)
         envelope.ack()
         self._record(message)
 

@@ -7,8 +7,10 @@ hands the work on. Anything wrong becomes an error event for the client instead.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import deque
 
 from sluice.actors.conversation import build_prompt
 from sluice.actors.errors import error_step, wire_code
@@ -24,6 +26,9 @@ from sluice.schemas.events import ErrorCode
 
 log = logging.getLogger(__name__)
 
+TURN_WAIT_S = 300.0  # the longest a turn waits for its session's previous one
+TURN_POLL_S = 0.05
+
 
 class TokenizerActor(Actor):
     def __init__(
@@ -35,6 +40,7 @@ class TokenizerActor(Actor):
         send_error: Sink,
         *,
         reply_topics: ReplyTopics | None = None,
+        turn_wait_s: float = TURN_WAIT_S,
         name: str = "tokenizer",
         capacity: int = 256,
     ):
@@ -45,6 +51,9 @@ class TokenizerActor(Actor):
         self.send_work = send_work
         self.send_error = send_error
         self.reply_topics = reply_topics
+        self.turn_wait_s = turn_wait_s
+        # Turns waiting for their session's previous turn, per (tenant, session), in order.
+        self._waiting: dict[tuple[str | None, str], deque[Envelope]] = {}
 
     async def handle(self, envelope: Envelope) -> None:
         request: GenerateRequest = envelope.body
@@ -68,11 +77,45 @@ class TokenizerActor(Actor):
                 )
                 await self.send_error(Envelope(step, envelope.ack))
                 return
+        if request.session_id is None or self.sessions is None:
+            await self._tokenize(envelope)
+            return
+        turn = (request.tenant, request.session_id)
+        if turn in self._waiting:  # behind another waiting turn of the session: keep the order
+            self._waiting[turn].append(envelope)
+        elif await self.sessions.begin_turn(request.tenant, request.session_id, request.request_id):
+            await self._tokenize(envelope)
+        else:
+            self._waiting[turn] = deque([envelope])
+            self.spawn(self._wait_turns(turn), name=f"turns-{request.session_id}")
+
+    async def _wait_turns(self, turn: tuple[str | None, str]) -> None:
+        """Hand on a session's waiting turns in order, each once the turn before it answered
+        (its prompt then continues the answer), or after `turn_wait_s` without it."""
+        assert self.sessions is not None
+        queue = self._waiting[turn]
+        while queue:
+            envelope = queue[0]
+            request: GenerateRequest = envelope.body
+            deadline = time.monotonic() + self.turn_wait_s
+            while not await self.sessions.begin_turn(
+                *turn, request.request_id, force=time.monotonic() > deadline
+            ):
+                await asyncio.sleep(TURN_POLL_S)
+            queue.popleft()
+            await self._tokenize(envelope)
+        del self._waiting[turn]
+
+    async def _tokenize(self, envelope: Envelope) -> None:
+        request: GenerateRequest = envelope.body
         history_messages, history_ids = None, None
         if request.session_id is not None and self.sessions is not None:
-            record = await self.sessions.get(request.tenant, request.session_id)
-            if record is not None:
-                history_messages, history_ids = record.messages, record.token_ids
+            # Before this turn's own entry, when it is served again after a crash.
+            history = await self.sessions.history_for(
+                request.tenant, request.session_id, request.request_id
+            )
+            if history is not None:
+                history_messages, history_ids = history
         prompt = build_prompt(self.tokenizer, request, history_messages, history_ids)
         try:
             check_prompt_fits(
@@ -90,15 +133,17 @@ class TokenizerActor(Actor):
             request=request,
             prompt_token_ids=prompt.token_ids,
             conversation=prompt.messages,
+            history_messages=len(history_messages or []),
             history_tokens=prompt.history_tokens,
             received_at=envelope.received_at or time.time(),
         )
         await self.send_work(Envelope(work, envelope.ack, envelope.received_at))
 
-    async def _reject(self, envelope: Envelope, code: str, message: str, field: str) -> None:
-        await self.send_error(
-            Envelope(error_step(envelope.body, code, message, field), envelope.ack)
-        )
+    async def _reject(self, envelope: Envelope, code: str, message: str, field: str | None) -> None:
+        request: GenerateRequest = envelope.body
+        if request.session_id is not None and self.sessions is not None:
+            await self.sessions.end_turn(request.tenant, request.session_id, request.request_id)
+        await self.send_error(Envelope(error_step(request, code, message, field), envelope.ack))
 
     async def on_failure(self, message, exc: BaseException) -> None:
         # A bug must not lose the request silently: the client gets an internal error.

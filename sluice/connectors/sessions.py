@@ -4,6 +4,14 @@ One JSON string per tenant and session at ``sluice:session:{tenant}:{session}``,
 TTL in one `SET ... EX` so a record never lives without an expiry. Every update refreshes the TTL;
 reads do not (a turn reads at its start and updates at its end).
 
+A record remembers its turns by request id, with where each began in the conversation
+(`turn_ids`, `turn_starts`), so a turn served again (after a crash, before its input offset was
+committed) replaces its own entry instead of adding a second copy, and is built on the
+conversation before it (`history_for`). A turn in flight is marked `pending` (`begin_turn`) until
+its answer is recorded (`record_turn`) or it ends otherwise (`end_turn`), so the session's next
+turn can wait for it. Updates are read-modify-write in a Redis transaction (WATCH/MULTI), retried
+when another writer got there first.
+
 Redis is an optimisation here, never a dependency: without it a conversation's next turn is
 prefilled from scratch instead of reusing its cached prefix. So when Redis is unreachable no
 method raises: reads return None, writes do nothing, `available` turns False and one warning is
@@ -25,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.connectors.settings import redis_url
@@ -61,6 +69,18 @@ class SessionRecord(BaseModel):
     model: str | None = None
     turns: int = 0
     last_used: float = 0.0  # unix time of the last update
+    # Per answered turn: its request id, and the (messages, token ids) the conversation had
+    # before it.
+    turn_ids: list[str] = Field(default_factory=list)
+    turn_starts: list[tuple[int, int]] = Field(default_factory=list)
+    pending: str | None = None  # the request id of a turn being served
+
+    def before(self, request_id: str) -> tuple[list[dict[str, Any]], list[int]]:
+        """The conversation as it was before `request_id`'s turn (all of it, for a new turn)."""
+        if request_id in self.turn_ids:
+            n_messages, n_tokens = self.turn_starts[self.turn_ids.index(request_id)]
+            return self.messages[:n_messages], self.token_ids[:n_tokens]
+        return self.messages, self.token_ids
 
     @field_validator("tenant", mode="before")
     @classmethod
@@ -136,6 +156,121 @@ class SessionStore:
     async def get(self, tenant: str | None, session_id: str) -> SessionRecord | None:
         """The session's record; None when there is none, or Redis is unreachable."""
         raw = await self._call("get", lambda r: r.get(session_key(tenant, session_id)), None)
+        return self._parse(raw, tenant, session_id)
+
+    async def update(self, record: SessionRecord) -> bool:
+        """Write `record` (stamping `last_used`) and refresh its TTL; False when not written."""
+        record.last_used = time.time()
+        key = session_key(record.tenant, record.session_id)
+        payload = record.model_dump_json()
+        return bool(await self._call("update", lambda r: r.set(key, payload, ex=self.ttl_s), False))
+
+    async def history_for(
+        self, tenant: str | None, session_id: str, request_id: str
+    ) -> tuple[list[dict[str, Any]], list[int]] | None:
+        """The conversation a turn continues: before its own entry when it is served again."""
+        record = await self.get(tenant, session_id)
+        return None if record is None else record.before(request_id)
+
+    async def begin_turn(
+        self, tenant: str | None, session_id: str, request_id: str, *, force: bool = False
+    ) -> bool:
+        """Mark the turn in flight; False (changing nothing) while another turn of the session
+        is, unless `force`. True too when Redis cannot tell (sessions are an optimisation)."""
+
+        def change(record: SessionRecord | None) -> SessionRecord | None | bool:
+            if record is None:
+                record = SessionRecord(tenant=tenant or NO_TENANT, session_id=session_id)
+            if record.pending not in (None, request_id) and not force:
+                return False
+            record.pending = request_id
+            return record
+
+        return await self._transact("begin_turn", tenant, session_id, change, True)
+
+    async def end_turn(self, tenant: str | None, session_id: str, request_id: str) -> bool:
+        """The turn ended without an answer to remember: the next turn need not wait."""
+
+        def change(record: SessionRecord | None) -> SessionRecord | None | bool:
+            if record is None or record.pending != request_id:
+                return True
+            record.pending = None
+            return record
+
+        return await self._transact("end_turn", tenant, session_id, change, False)
+
+    async def record_turn(
+        self,
+        tenant: str | None,
+        session_id: str,
+        request_id: str,
+        messages: list[dict[str, Any]],
+        token_ids: list[int],
+        start: tuple[int, int],
+        *,
+        owner: str | None = None,
+        model: str | None = None,
+    ) -> bool:
+        """Remember a turn's answer: `messages` and `token_ids` are the whole conversation after
+        it, `start` where the turn began in them. A turn recorded before (served again) replaces
+        its own entry and every later one, so no turn is ever held twice."""
+
+        def change(record: SessionRecord | None) -> SessionRecord | None | bool:
+            if record is None:
+                record = SessionRecord(tenant=tenant or NO_TENANT, session_id=session_id)
+            if request_id in record.turn_ids:
+                keep = record.turn_ids.index(request_id)
+                record.turn_ids = record.turn_ids[:keep]
+                record.turn_starts = record.turn_starts[:keep]
+            record.turn_ids.append(request_id)
+            record.turn_starts.append(start)
+            record.messages, record.token_ids = messages, token_ids
+            record.turns = len(record.turn_ids)
+            record.owner, record.model = owner, model
+            if record.pending == request_id:
+                record.pending = None
+            return record
+
+        return await self._transact("record_turn", tenant, session_id, change, False)
+
+    async def _transact(
+        self,
+        what: str,
+        tenant: str | None,
+        session_id: str,
+        change: Callable[[SessionRecord | None], SessionRecord | None | bool],
+        default: bool,
+    ) -> bool:
+        """Read the record, apply `change` (a new record to write, or True/False to write
+        nothing and return that), write it: all in one WATCH/MULTI transaction, retried when the
+        key changed meanwhile. `default` when Redis is unreachable."""
+        key = session_key(tenant, session_id)
+
+        async def op(client: aioredis.Redis) -> bool:
+            async with client.pipeline(transaction=True) as pipe:
+                while True:
+                    try:
+                        await pipe.watch(key)
+                        raw = await pipe.get(key)
+                        record = self._parse(raw, tenant, session_id)
+                        changed = change(record)
+                        if isinstance(changed, bool):
+                            await pipe.unwatch()
+                            return changed
+                        assert changed is not None
+                        changed.last_used = time.time()
+                        pipe.multi()
+                        pipe.set(key, changed.model_dump_json(), ex=self.ttl_s)
+                        await pipe.execute()
+                        return True
+                    except WatchError:
+                        continue  # another writer got there first: read again
+
+        return bool(await self._call(what, op, default))
+
+    def _parse(
+        self, raw: bytes | None, tenant: str | None, session_id: str
+    ) -> SessionRecord | None:
         if raw is None:
             return None
         try:
@@ -149,13 +284,6 @@ class SessionStore:
                 exc.errors()[:1],
             )
             return None
-
-    async def update(self, record: SessionRecord) -> bool:
-        """Write `record` (stamping `last_used`) and refresh its TTL; False when not written."""
-        record.last_used = time.time()
-        key = session_key(record.tenant, record.session_id)
-        payload = record.model_dump_json()
-        return bool(await self._call("update", lambda r: r.set(key, payload, ex=self.ttl_s), False))
 
     async def delete(self, tenant: str | None, session_id: str) -> bool:
         """Remove the session; True when a record was removed."""

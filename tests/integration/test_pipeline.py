@@ -3,6 +3,7 @@ driven by a plain aiokafka client."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -222,3 +223,50 @@ async def test_second_turn_of_a_session_reuses_the_first_turns_kv_cache(
         assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user", "assistant"]
     finally:
         await client.aclose()
+
+
+async def test_turns_published_together_wait_for_each_other_and_a_replay_is_held_once(
+    bootstrap_servers, redis_url, prefix, tmp_path
+):
+    """Three turns of one chat published back to back: each is built on the answer before it
+    (it waits for it), and the first sent again afterwards (a client retry under the same id)
+    replaces its own entry: the session never holds a turn twice."""
+    session = f"s-{prefix}"
+    turn = {"temperature": 0, "max_tokens": 12, "session_id": session, "tenant": "acme"}
+    questions = ["Name a river.", "How long is it?", "Which sea does it reach?"]
+    pipeline = PipelineProcess(bootstrap_servers, redis_url, prefix, tmp_path)
+    try:
+        pipeline.wait_ready()
+        turns = [
+            request(f"t{i}", messages=[{"role": "user", "content": q}], **turn)
+            for i, q in enumerate(questions)
+        ]
+        await publish(bootstrap_servers, f"{prefix}.requests", turns)
+        streams = await collect(bootstrap_servers, prefix, {"t0", "t1", "t2"})
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            (key,) = [k async for k in client.scan_iter(match=f"*{session}*")]
+            after_three = json.loads(await client.get(key))
+            await publish(bootstrap_servers, f"{prefix}.requests", [turns[0]])  # again
+            deadline = time.monotonic() + 60
+            while json.loads(await client.get(key))["turns"] != 1:
+                assert time.monotonic() < deadline, json.loads(await client.get(key))
+                await asyncio.sleep(0.2)
+            after_replay = json.loads(await client.get(key))
+        finally:
+            await client.aclose()
+    finally:
+        pipeline.stop()
+
+    finals = [streams.finals(f"t{i}")[0] for i in range(3)]
+    assert all(f["type"] == "final" for f in finals), finals
+    for before, after in zip(finals, finals[1:]):
+        conversation = before["usage"]["prompt_tokens"] + before["usage"]["completion_tokens"]
+        assert after["usage"]["prompt_tokens"] > conversation  # built on the answer before it
+    assert after_three["turn_ids"] == ["t0", "t1", "t2"] and after_three["pending"] is None
+    roles = [m["role"] for m in after_three["messages"]]
+    assert roles == ["user", "assistant"] * 3
+    assert [m["content"] for m in after_three["messages"][1::2]] == [f["text"] for f in finals]
+    # The replayed first turn holds its place once, with the same answer (greedy).
+    assert after_replay["turn_ids"] == ["t0"]
+    assert after_replay["messages"] == after_three["messages"][:2]

@@ -197,3 +197,60 @@ def test_redact_hides_the_password():
     assert redact("redis://user:secret@host:6379/0") == "redis://user:***@host:6379/0"
     assert redact("redis://:secret@host/0") == "redis://:***@host/0"
     assert redact("redis://host:6379/0") == "redis://host:6379/0"
+
+
+# -- turns: idempotent and ordered ---------------------------------------------------------------
+
+
+def turn_messages(*pairs: tuple[str, str]) -> list[dict]:
+    out = []
+    for user, reply in pairs:
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return out
+
+
+async def test_a_turn_recorded_again_replaces_its_own_entry(redis_url):
+    async with SessionStore(redis_url) as store:
+        sid = f"s-{uuid.uuid4().hex[:8]}"
+        try:
+            one = turn_messages(("hi", "hello"))
+            assert await store.record_turn("t", sid, "turn-1", one, [1, 2, 3], (0, 0))
+            assert await store.record_turn("t", sid, "turn-1", one, [1, 2, 3], (0, 0))  # replayed
+            rec = await store.get("t", sid)
+            assert rec.turn_ids == ["turn-1"] and rec.turns == 1 and rec.messages == one
+
+            two = one + turn_messages(("and?", "more"))
+            assert await store.record_turn("t", sid, "turn-2", two, [1, 2, 3, 4, 5], (2, 3))
+            rec = await store.get("t", sid)
+            assert rec.turn_ids == ["turn-1", "turn-2"] and rec.messages == two
+            # a turn served again is built on the conversation before it, not after it
+            assert await store.history_for("t", sid, "turn-2") == (one, [1, 2, 3])
+            assert await store.history_for("t", sid, "turn-1") == ([], [])
+            assert await store.history_for("t", sid, "turn-3") == (two, [1, 2, 3, 4, 5])
+            # and replaces its entry (and what came after it)
+            assert await store.record_turn("t", sid, "turn-1", one, [1, 2, 3], (0, 0))
+            rec = await store.get("t", sid)
+            assert rec.turn_ids == ["turn-1"] and rec.messages == one and rec.turns == 1
+        finally:
+            await store.delete("t", sid)
+
+
+async def test_one_turn_in_flight_per_session(redis_url):
+    async with SessionStore(redis_url) as store:
+        sid = f"s-{uuid.uuid4().hex[:8]}"
+        try:
+            wins = await asyncio.gather(*(store.begin_turn("t", sid, f"r{i}") for i in range(12)))
+            assert sum(wins) == 1  # the transaction lets exactly one of them in
+            first = f"r{wins.index(True)}"
+            assert await store.begin_turn("t", sid, first)  # again: it is still its turn
+            other = "r0" if first != "r0" else "r1"
+            assert not await store.begin_turn("t", sid, other)
+            await store.record_turn("t", sid, first, turn_messages(("a", "b")), [1], (0, 0))
+            assert (await store.get("t", sid)).pending is None
+            assert await store.begin_turn("t", sid, other)
+            assert await store.end_turn("t", sid, other)  # it failed: nothing to remember
+            assert await store.begin_turn("t", sid, "r-late")
+            assert await store.begin_turn("t", sid, "r-forced", force=True)
+            assert (await store.get("t", sid)).pending == "r-forced"
+        finally:
+            await store.delete("t", sid)
