@@ -2,14 +2,17 @@
 
     .venv/bin/python bench/pipeline.py            # 64 requests, prompts of 32..512 tokens, 128 out
     .venv/bin/python bench/pipeline.py --quick    # 16 requests, 32..128 tokens, 32 out
+    .venv/bin/python bench/pipeline.py --delivery both   # the kafka phase once per delivery mode
 
 Phases, one after the other on this machine:
   engine   LLMEngine in this process: all requests added at once, stepped until done; TTFT and
            TPOT from the engine's own per-request timings.
   kafka    `sluice run` (all actors in one process, the real broker from `sluice stack up`) with the
-           same engine settings; a plain aiokafka client publishes all requests at once and reads
-           the tokens topic; TTFT and TPOT are measured by the client (publish -> first token
-           event; first -> final event), so they include Kafka both ways.
+           same engine settings, `--delivery` at-least-once (default), exactly-once, or both
+           (one after the other, compared); a plain aiokafka client publishes all requests at
+           once and reads the tokens topic (read_committed); TTFT and TPOT are measured by the
+           client (publish -> first token event; first -> final event), so they include Kafka
+           both ways.
 Each phase then sends 8 other prompts of 64 tokens one at a time (4 tokens out): their TTFT is the
 latency the Kafka path adds to a request that does not queue behind others. During each timed phase
 the cores other processes kept busy are measured ("others"): on one machine the broker, Redis and
@@ -120,7 +123,7 @@ def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     return out
 
 
-async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
+async def run_kafka(args, prompts: list[str], alone_prompts: list[str], delivery: str) -> dict:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     prefix = f"bench{uuid.uuid4().hex[:8]}"
@@ -146,6 +149,8 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
         str(max(64, len(prompts))),
         "--kernels",
         args.kernels,
+        "--delivery",
+        delivery,
     ]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -160,6 +165,7 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
             bootstrap_servers=args.bootstrap_servers,
             auto_offset_reset="earliest",
             enable_auto_commit=False,
+            isolation_level="read_committed",  # what a client of exactly-once reads
         )
         producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap_servers, linger_ms=0)
         await consumer.start()
@@ -197,7 +203,7 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
         await publish("warm-up", "warm up", 4)
         await producer.flush()
         await read_until({"warm-up"}, {}, {})
-        log(f"kafka: {len(prompts)} requests through {prefix}.requests")
+        log(f"kafka ({delivery}): {len(prompts)} requests through {prefix}.requests")
         sent, first, final = {}, {}, {}
         with Timed(proc.pid) as timed:  # others: the broker, Redis, and this client
             start = time.monotonic()
@@ -223,7 +229,8 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str]) -> dict:
         proc.wait(60)
     ttft = [first[r] - sent[r] for r in sent]
     tpot = [(final[r][0] - first[r]) / max(1, final[r][1] - 1) for r in sent]
-    out = summary("pipeline via Kafka", ttft, tpot, sum(n for _, n in final.values()), wall)
+    name = "pipeline via Kafka" + (", exactly-once" if delivery == "exactly-once" else "")
+    out = summary(name, ttft, tpot, sum(n for _, n in final.values()), wall)
     out.update(others_cores=others_cores, alone_ttft_s=alone_ttft)
     return out
 
@@ -248,6 +255,12 @@ def main() -> None:
         default="auto",
         choices=["auto", "torch", "native"],
         help="the engine's kernels on both sides (auto: native where it builds)",
+    )
+    parser.add_argument(
+        "--delivery",
+        default="at-least-once",
+        choices=["at-least-once", "exactly-once", "both"],
+        help="the pipeline's delivery mode (both: one kafka phase each, compared)",
     )
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -277,10 +290,12 @@ def main() -> None:
         tokenizer, LATENCY_REQUESTS, LATENCY_PROMPT, LATENCY_PROMPT, args.seed + 1
     )
     engine = run_engine(args, prompts, alone_prompts)
-    kafka = asyncio.run(run_kafka(args, prompts, alone_prompts))
+    modes = ["at-least-once", "exactly-once"] if args.delivery == "both" else [args.delivery]
+    kafkas = [asyncio.run(run_kafka(args, prompts, alone_prompts, mode)) for mode in modes]
+    kafka = kafkas[0]
     ratio = kafka["throughput_tok_s"] / engine["throughput_tok_s"]
     added_ttft_ms = (kafka["ttft_p50_s"] - engine["ttft_p50_s"]) * 1000
-    alone = {s["side"]: percentile(s["alone_ttft_s"], 0.5) for s in (engine, kafka)}
+    alone = {s["side"]: percentile(s["alone_ttft_s"], 0.5) for s in (engine, *kafkas)}
     added_alone_ms = (alone[kafka["side"]] - alone[engine["side"]]) * 1000
     # With every request queued, a request's TTFT is mostly the steps before its first token: steps
     # slower by the wall-time ratio alone add this much at the median.
@@ -289,7 +304,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "args": vars(args),
         "prompt_tokens": prompt_tokens,
-        "sides": [engine, kafka],
+        "sides": [engine, *kafkas],
         "throughput_ratio": ratio,
         "added_p50_ttft_ms": added_ttft_ms,
         "alone_p50_ttft_s": alone,
@@ -304,7 +319,7 @@ def main() -> None:
         f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
         f"{'TPOT p99':>10}{'others':>8}{'alone TTFT':>12}"
     )
-    for s in (engine, kafka):
+    for s in (engine, *kafkas):
         print(
             f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
             f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
@@ -324,6 +339,18 @@ def main() -> None:
         f"{LATENCY_OUTPUT} out): "
         f"{added_alone_ms:+.0f} ms"
     )
+    if len(kafkas) == 2:
+        alo, eos = kafkas
+        eos_ratio = eos["throughput_tok_s"] / alo["throughput_tok_s"]
+        eos_alone_ms = (alone[eos["side"]] - alone[alo["side"]]) * 1000
+        result["exactly_once_throughput_ratio"] = eos_ratio
+        result["exactly_once_added_alone_p50_ttft_ms"] = eos_alone_ms
+        RESULTS.write_text(json.dumps(result, indent=2))
+        print(
+            f"exactly-once / at-least-once throughput: {eos_ratio:.3f}   (target >= 0.9); "
+            f"added p50 TTFT of a request that does not queue: {eos_alone_ms:+.0f} ms "
+            "(target <= commit interval + 20 ms)"
+        )
     print(
         "others = cores other processes kept busy during the timed phase (Kafka side: the broker, "
         "Redis and this client, which share this machine's CPUs with the engine)"

@@ -24,6 +24,7 @@ from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.transport import Sink
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.transactions import PartitionTransactions
 from sluice.schemas import ErrorEvent, RequestRejected, decode_request, encode
 from sluice.schemas.events import ErrorCode
 
@@ -42,15 +43,16 @@ class Ingress:
     def __init__(
         self,
         consumer: RequestConsumer,
-        producer: EventProducer,
+        producer: EventProducer | PartitionTransactions,
         deliver: Sink,
         *,
         tokens_topic: str,
         dlq_topic: str,
         decode: Callable[[bytes], BaseModel] = decode_request,
         metrics: Metrics | None = None,
-        on_committed: Callable[[list[str]], Awaitable[None]] | None = None,
+        on_committed: Callable[[list[tuple[str, TopicPartition]]], Awaitable[None]] | None = None,
         reply_topics: ReplyTopics | None = None,
+        commit_interval_s: float = COMMIT_INTERVAL_S,
     ):
         self.consumer = consumer
         self.producer = producer
@@ -63,6 +65,7 @@ class Ingress:
         self._pauses_reported = 0  # consumer.pauses already counted in the metrics
         self.on_committed = on_committed
         self.reply_topics = reply_topics
+        self.commit_interval_s = commit_interval_s
         self._acked: list[tuple[TopicPartition, int, str]] = []  # done, not yet known committed
 
     async def run(self) -> None:
@@ -87,7 +90,8 @@ class Ingress:
             self._spawn(self._publish_error(record, event, None))
             return
         ack = self._acker(record, _request_id_of(body))
-        await self.deliver(Envelope(body, ack, time.time()))
+        origin = TopicPartition(record.topic, record.partition)
+        await self.deliver(Envelope(body, ack, time.time(), origin))
 
     def _acker(self, record: ConsumerRecord, request_id: str | None) -> Callable[[], None]:
         def ack() -> None:
@@ -101,7 +105,7 @@ class Ingress:
         """Tell `on_committed` which acknowledged requests a commit has now passed."""
         if not self._acked or not committed or self.on_committed is None:
             return
-        passed = [rid for tp, offset, rid in self._acked if offset < committed.get(tp, -1)]
+        passed = [(rid, tp) for tp, offset, rid in self._acked if offset < committed.get(tp, -1)]
         self._acked = [a for a in self._acked if not a[1] < committed.get(a[0], -1)]
         if passed:
             await self.on_committed(passed)
@@ -130,7 +134,12 @@ class Ingress:
             event.message,
         )
         try:
-            await self.producer.send_and_wait(topic, key=key, value=encode(event))
+            await self.producer.send_and_wait(
+                topic,
+                key=key,
+                value=encode(event),
+                origin=TopicPartition(record.topic, record.partition),
+            )
         except Exception:
             log.exception(
                 "could not publish the error event for %s[%d]@%d; it will be retried after a "
@@ -151,7 +160,7 @@ class Ingress:
 
     async def _commit_loop(self) -> None:
         while True:
-            await asyncio.sleep(COMMIT_INTERVAL_S)
+            await asyncio.sleep(self.commit_interval_s)
             try:
                 await self._report_committed(await self.consumer.commit_done())
                 if self.metrics:
@@ -163,7 +172,9 @@ class Ingress:
                         self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(lag)
             except Exception:
                 log.warning(
-                    "periodic commit failed; retrying in %.0f s", COMMIT_INTERVAL_S, exc_info=True
+                    "periodic commit failed; retrying in %.1f s",
+                    self.commit_interval_s,
+                    exc_info=True,
                 )
 
     async def drain_errors(self) -> None:

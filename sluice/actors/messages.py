@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from aiokafka.structs import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.schemas import ErrorEvent, GenerateRequest
@@ -80,3 +81,15 @@ class Envelope:
     body: TokenizedRequest | StepMessage | GenerateRequest
     ack: Ack = field(default=no_ack)
     received_at: float = 0.0
+    # The input partition the work came from: with exactly-once delivery, what it causes to be
+    # written goes into that partition's transaction.
+    origin: TopicPartition | None = None
+    # Records to write in one piece with this message's event (exactly-once: its request's
+    # progress records, so that both commit in the same transaction): (topic, key, value).
+    writes: list[tuple[str, str, bytes | None]] = field(default_factory=list)
+
+    def derive(
+        self, body: TokenizedRequest | StepMessage | GenerateRequest, ack: Ack | None = None
+    ) -> Envelope:
+        """An envelope for work that follows from this one (same origin and arrival time)."""
+        return Envelope(body, self.ack if ack is None else ack, self.received_at, self.origin)

@@ -38,9 +38,14 @@ from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionStore
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 from sluice.connectors.topics import ensure_topics
+from sluice.connectors.transactions import PartitionTransactions
 from sluice.engine import EngineConfig
 
 log = logging.getLogger(__name__)
+
+AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
+MAX_REQUEST_BYTES = 4 << 20  # the largest request the requests topic takes
+DELIVERIES = (AT_LEAST_ONCE, EXACTLY_ONCE)
 
 
 @dataclass
@@ -74,6 +79,8 @@ class PipelineConfig:
     runner_id: str = field(default_factory=lambda: f"runner-{socket.gethostname()}-{os.getpid()}")
     drain_timeout_s: float = 60.0
     create_reply_topics: bool = False  # create a missing reply topic (else: an error event)
+    delivery: str = "at-least-once"  # or "exactly-once" (docs/DELIVERY.md)
+    commit_interval_ms: int | None = None  # default: 100 exactly-once, 1000 at-least-once
     # A request being served this many times in a row when the process stopped, without getting
     # further, is dead-lettered instead of taken up again.
     max_crashes: int = 5
@@ -90,6 +97,8 @@ class Pipeline:
         self.metrics = Metrics()
         self.system = ActorSystem(f"sluice-{role or 'all'}", drain_timeout=config.drain_timeout_s)
         self.producer: EventProducer | None = None
+        # Where the actors write: the producer, or (exactly-once) one transaction per partition.
+        self.output: EventProducer | PartitionTransactions | None = None
         self.consumer: RequestConsumer | None = None
         self.sessions: SessionStore | None = None
         self.ingress: Ingress | None = None
@@ -103,10 +112,23 @@ class Pipeline:
 
     async def start(self) -> None:
         c, t = self.config, self.config.topics
+        if c.delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}, not {c.delivery!r}")
+        exactly_once = c.delivery == EXACTLY_ONCE
+        if exactly_once and self.role is not None:
+            raise ValueError(
+                "--delivery exactly-once runs all roles in one process for now (not with --role)"
+            )
+        # Requests up to MAX_REQUEST_BYTES: a long prompt gets its prompt_too_long error, not a
+        # refusal by the broker that the client would have to make sense of.
+        await ensure_topics(
+            c.bootstrap_servers,
+            {t.requests: c.partitions},
+            config={"max.message.bytes": str(MAX_REQUEST_BYTES)},
+        )
         await ensure_topics(
             c.bootstrap_servers,
             {
-                t.requests: c.partitions,
                 t.tokens: c.partitions,
                 t.dlq: 1,
                 **(
@@ -127,6 +149,10 @@ class Pipeline:
             bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role or 'all'}"
         )
         await self.producer.start()
+        group = c.group if self.role is None else f"{c.group}-{self.role}"
+        self.output = self.producer
+        if exactly_once:
+            self.output = PartitionTransactions(c.bootstrap_servers, app_id=c.group, group_id=group)
         if c.redis_url and self.role in (None, "tokenizer", "streamer"):
             self.sessions = SessionStore(c.redis_url, ttl_s=c.session_ttl_s)
             ok = await self.sessions.check()
@@ -138,7 +164,7 @@ class Pipeline:
             )
         if self.role in (None, "runner"):
             # What the requests in flight had published, before any of them is read again.
-            self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.producer))
+            self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.output))
             await self.progress.start()
         if self.role in (None, "tokenizer"):
             self.reply_topics = ReplyTopics(
@@ -150,38 +176,59 @@ class Pipeline:
             )
         builder = getattr(self, f"_build_{self.role or 'all'}")
         first, topic, decode = await builder()
-        group = c.group if self.role is None else f"{c.group}-{self.role}"
+        transactions = self.output if isinstance(self.output, PartitionTransactions) else None
         self.consumer = RequestConsumer(
             [topic],
             group_id=group,
             bootstrap_servers=c.bootstrap_servers,
             max_in_flight=c.max_in_flight,
             drain_timeout=c.drain_timeout_s,
-            on_assigned=self.progress.catch_up if self.progress else None,
+            on_assigned=self._on_assigned,
+            on_revoked=self._on_revoked if transactions else None,
+            commit_with=transactions.commit if transactions else None,
+            max_partition_fetch_bytes=MAX_REQUEST_BYTES + (64 << 10),
         )
         await self.consumer.start()
+        interval = c.commit_interval_ms
+        if interval is None:
+            interval = 100 if exactly_once else 1000  # Kafka Streams' exactly-once default
         self.ingress = Ingress(
             self.consumer,
-            self.producer,
+            self.output,
             first.tell,
             tokens_topic=t.tokens,
             dlq_topic=t.dlq,
             metrics=self.metrics,
             on_committed=self.progress.forget if self.progress else None,
             reply_topics=self.reply_topics,
+            commit_interval_s=interval / 1000,
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()
         log.info(
             "pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, "
-            "dead letters to %s",
+            "dead letters to %s, delivery %s, commit every %d ms",
             self.role or "all roles",
             topic,
             group,
             c.max_in_flight,
             t.tokens,
             t.dlq,
+            c.delivery,
+            interval,
         )
+
+    async def _on_assigned(self, tps) -> None:
+        """Before a new assignment's records are read: fence their earlier owners' transactions
+        (exactly-once), then read what they had recorded of their requests."""
+        if isinstance(self.output, PartitionTransactions):
+            await self.output.assign(tps)
+        if self.progress is not None:
+            await self.progress.catch_up()
+
+    async def _on_revoked(self, tps) -> None:
+        if isinstance(self.output, PartitionTransactions):
+            await self.output.revoke(tps, {})
 
     async def _engine(self):
         from sluice.engine import LLMEngine
@@ -200,7 +247,7 @@ class Pipeline:
 
     def _streamer(self) -> StreamerActor:
         return StreamerActor(
-            self.producer,
+            self.output,
             self.config.topics.tokens,
             self.sessions,
             metrics=self.metrics,
@@ -331,6 +378,8 @@ class Pipeline:
             await self.system.shutdown(graceful=True)
         for sink in self._sinks:
             await sink.flush()
+        if isinstance(self.output, PartitionTransactions):
+            await self.output.stop()
         if self.progress is not None:
             await self.progress.stop()
         if self.reply_topics is not None:

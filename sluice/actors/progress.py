@@ -22,10 +22,12 @@ import asyncio
 import hashlib
 import logging
 
+from aiokafka.structs import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.actors.messages import StepMessage
 from sluice.connectors.changelog import Changelog
+from sluice.connectors.transactions import NotOwned
 from sluice.schemas import GenerateRequest
 from sluice.schemas.events import TokenLogprob
 
@@ -62,6 +64,8 @@ class Progress(BaseModel):
     # What `ProgressLog.save` has still to write (not part of any record).
     unsaved_tokens: int = Field(default=0, exclude=True)
     header_saved: bool = Field(default=False, exclude=True)
+    # Its request's input partition, into whose transaction its records go (exactly-once).
+    origin: TopicPartition | None = Field(default=None, exclude=True)
 
     def add_tokens(self, tokens: RecordedTokens) -> None:
         self.tokens.append(tokens)
@@ -113,6 +117,9 @@ class ProgressLog:
 
     def __init__(self, changelog: Changelog):
         self.changelog = changelog
+        # Exactly-once: the records commit with the events they describe, so a record holds
+        # exactly what a read_committed client can see (never more).
+        self.transactional = changelog.transactional
 
     async def start(self) -> None:
         await self.changelog.start()
@@ -142,10 +149,14 @@ class ProgressLog:
             record.tokens.append(RecordedTokens.model_validate_json(tokens))
         return record
 
-    async def save(self, records: list[Progress]) -> None:
-        """Write what is new in the records and wait until the broker has it. While the broker
-        refuses, keep trying: the step's messages wait, and behind them the engine (whose results
-        waiting to be read are bounded)."""
+    def stage(self, record: Progress) -> list[tuple[str, str, bytes | None]]:
+        """What is new in the record, as (topic, key, value) records for the caller to write in
+        one piece with the event they describe (exactly-once); the table holds them already."""
+        payload = self._payload([record])
+        record.header_saved, record.unsaved_tokens = True, 0
+        return self.changelog.stage(payload)
+
+    def _payload(self, records: list[Progress]) -> dict[str, bytes]:
         payload: dict[str, bytes] = {}
         for r in records:
             if not r.header_saved:
@@ -154,16 +165,35 @@ class ProgressLog:
                 payload[_token_key(r.request_id, tokens.seq)] = tokens.model_dump_json(
                     exclude_none=True
                 ).encode()
+        return payload
+
+    async def save(self, records: list[Progress]) -> None:
+        """Write what is new in the records and wait until the broker has it. While the broker
+        refuses, keep trying: the step's messages wait, and behind them the engine (whose results
+        waiting to be read are bounded)."""
+        by_origin: dict[TopicPartition | None, list[Progress]] = {}
+        for r in records:
+            by_origin.setdefault(r.origin, []).append(r)
+        for origin, group in by_origin.items():
+            await self._save(group, origin)
+
+    async def _save(self, records: list[Progress], origin: TopicPartition | None) -> None:
+        payload = self._payload(records)
         if payload:
-            await self._put(payload)
+            await self._put(payload, origin)
         for r in records:
             r.header_saved, r.unsaved_tokens = True, 0
 
-    async def _put(self, payload: dict[str, bytes]) -> None:
+    async def _put(self, payload: dict[str, bytes], origin: TopicPartition | None) -> None:
         attempt = 0
         while True:
             try:
-                await self.changelog.put(payload)
+                await self.changelog.put(payload, origin=origin)
+                return
+            except NotOwned:
+                log.info(
+                    "not writing %d progress record(s): their partition moved away", len(payload)
+                )
                 return
             except Exception as exc:  # noqa: BLE001 - the broker's errors are many; all retried
                 delay = RETRY_S[min(attempt, len(RETRY_S) - 1)]
@@ -176,22 +206,24 @@ class ProgressLog:
                 )
                 await asyncio.sleep(delay)
 
-    async def forget(self, request_ids: list[str]) -> None:
-        """Tombstone the records of requests that will not be delivered again."""
-        keys = []
-        for rid in request_ids:
+    async def forget(self, requests: list[tuple[str, TopicPartition | None]]) -> None:
+        """Tombstone the records of requests (id, input partition) that will not be delivered
+        again."""
+        keys: dict[TopicPartition | None, list[str]] = {}
+        for rid, origin in requests:
             if self.changelog.get(rid) is None:
                 continue
-            keys.append(rid)
+            mine = keys.setdefault(origin, [])
+            mine.append(rid)
             seq = 0
             while self.changelog.get(_token_key(rid, seq)) is not None:
-                keys.append(_token_key(rid, seq))
+                mine.append(_token_key(rid, seq))
                 seq += 1
-        if keys:
+        for origin, group in keys.items():
             try:
-                await self.changelog.delete(*keys)
+                await self.changelog.delete(*group, origin=origin)
             except Exception:  # noqa: BLE001 - a missed tombstone costs a stale record, no more
-                log.warning("tombstoning %d progress record(s) failed", len(keys), exc_info=True)
+                log.warning("tombstoning %d progress record(s) failed", len(group), exc_info=True)
 
 
 def _token_key(request_id: str, seq: int) -> str:

@@ -19,6 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from aiokafka.structs import TopicPartition
+
 from sluice.actors.conversation import remembered_turn
 from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, StepResult
 from sluice.actors.errors import error_step, wire_code
@@ -47,6 +49,7 @@ class _Tracked:
     finals: dict[int, StepOutput] = field(default_factory=dict)
     expired: bool = False  # aborted at its deadline
     record: Progress | None = None  # what the progress log holds of it (with a progress log)
+    origin: TopicPartition | None = None  # its input partition (see Envelope.origin)
 
 
 class RunnerActor(Actor):
@@ -96,7 +99,8 @@ class RunnerActor(Actor):
         for tracked in readmit:
             if tracked.record is None:
                 self._tracked.pop(tracked.work.request.request_id, None)
-                await self.send_steps(Envelope(self._failed(tracked, RESTARTED), tracked.ack))
+                failed = self._failed(tracked, RESTARTED)
+                await self.send_steps(Envelope(failed, tracked.ack, origin=tracked.origin))
             else:
                 record = tracked.record
                 self._worker.submit(Admission(tracked.work, record.seed, record.resume()))
@@ -125,14 +129,21 @@ class RunnerActor(Actor):
             log.warning("request %s is already running here; dropping the duplicate", request_id)
             return
         record = self.progress.get(work.request) if self.progress is not None else None
+        if record is not None:
+            record.origin = envelope.origin
         if record is not None and record.final is not None:
+            if self.progress is not None and self.progress.transactional:
+                # Its events and its final are committed, and visible: only its offset is not.
+                log.info("request %s delivered again after its final: committing it", request_id)
+                envelope.ack()
+                return
             # It had finished: send everything again as it was, and nothing else.
             log.info("request %s delivered again after its final: resending it", request_id)
-            await self._resend(work, record)
-            await self.send_steps(Envelope(record.final, envelope.ack))
+            await self._resend(work, record, envelope.origin)
+            await self.send_steps(envelope.derive(record.final))
             return
         request = work.request
-        tracked = _Tracked(work, envelope.ack, time.time())
+        tracked = _Tracked(work, envelope.ack, time.time(), origin=envelope.origin)
         resume = None
         if record is not None:
             log.info(
@@ -140,7 +151,10 @@ class RunnerActor(Actor):
                 request_id,
                 len(record.tokens),
             )
-            await self._resend(work, record)
+            if not (self.progress is not None and self.progress.transactional):
+                # What a client may have read, and more: sent again as it was. (Exactly-once:
+                # what the record holds is exactly what is visible; nothing to send again.)
+                await self._resend(work, record, envelope.origin)
             tracked.seq = record.next_seq
             tracked.texts = record.texts()
             tracked.token_ids = record.resume()
@@ -149,6 +163,7 @@ class RunnerActor(Actor):
         else:
             seed = request.seed if request.seed is not None else new_seed()
             record = Progress(request_id=request_id, digest=request_digest(request), seed=seed)
+            record.origin = envelope.origin
         if self.progress is not None:
             tracked.record = record
         self._tracked[request_id] = tracked
@@ -214,8 +229,12 @@ class RunnerActor(Actor):
         raw = tracked.work.request.model_dump_json(exclude_none=True)
         message = self._failed(tracked, why).model_copy(update={"dead_letter": raw})
         record.finish(message)
-        await self.progress.save([record])
-        await self.send_steps(Envelope(message, tracked.ack))
+        writes = []
+        if self.progress.transactional:
+            writes = self.progress.stage(record)
+        else:
+            await self.progress.save([record])
+        await self.send_steps(Envelope(message, tracked.ack, origin=tracked.origin, writes=writes))
 
     def _failed(self, tracked: _Tracked, why: str) -> StepMessage:
         """A final with finish_reason "error" after what the request had published."""
@@ -241,7 +260,9 @@ class RunnerActor(Actor):
             **self._echo(tracked),
         )
 
-    async def _resend(self, work: TokenizedRequest, record: Progress) -> None:
+    async def _resend(
+        self, work: TokenizedRequest, record: Progress, origin: TopicPartition | None
+    ) -> None:
         """The token messages recorded for this request, sent again as they were."""
         for tokens in record.tokens:
             message = StepMessage(
@@ -252,15 +273,18 @@ class RunnerActor(Actor):
                 logprobs=tokens.logprobs,
                 **self._echo_of(work),
             )
-            await self.send_steps(Envelope(message, no_ack))
+            await self.send_steps(Envelope(message, no_ack, origin=origin))
 
     async def _pump(self) -> None:
         async for result in self._worker:
             messages = self._messages(result)
+            writes: list[list] = [[] for _ in messages]
             if self.progress is not None:
-                await self._record(messages)
-            for message, ack, _ in messages:
-                await self.send_steps(Envelope(message, ack or no_ack))
+                writes = await self._record(messages)
+            for (message, ack, tracked), with_it in zip(messages, writes):
+                origin = tracked.origin if tracked is not None else None
+                envelope = Envelope(message, ack or no_ack, origin=origin, writes=with_it)
+                await self.send_steps(envelope)
             if self._probing is not None:
                 self._next_suspect()
             if self.metrics:
@@ -268,11 +292,15 @@ class RunnerActor(Actor):
 
     async def _record(
         self, messages: list[tuple[StepMessage, Ack | None, _Tracked | None]]
-    ) -> None:
-        """Add the step's messages to their requests' records and write them (before any of the
-        messages goes out: a record holds at least what a client may have read)."""
+    ) -> list[list]:
+        """Add the step's messages to their requests' records and write them, before any of the
+        messages goes out: a record holds at least what a client may have read. Exactly-once: the
+        records go out with their message instead, in one piece of its partition's transaction
+        (returned per message), so records and events commit together."""
+        assert self.progress is not None
         changed: dict[str, Progress] = {}
-        for message, _, tracked in messages:
+        writes: list[list] = [[] for _ in messages]
+        for i, (message, _, tracked) in enumerate(messages):
             record = tracked.record if tracked is not None else None
             if record is None:
                 continue
@@ -288,10 +316,13 @@ class RunnerActor(Actor):
                         logprobs=message.logprobs,
                     )
                 )
-            changed[record.request_id] = record
+            if self.progress.transactional:
+                writes[i] = self.progress.stage(record)
+            else:
+                changed[record.request_id] = record
         if changed:
-            assert self.progress is not None
             await self.progress.save(list(changed.values()))
+        return writes
 
     def _observe(self) -> None:
         stats = self.engine.stats()  # plain reads of counters; a slightly stale value is fine

@@ -42,14 +42,13 @@ class SchedulerActor(Actor):
         work: TokenizedRequest = envelope.body
         if work.request.deadline is not None and work.request.deadline < time.time():
             await self.send_error(
-                Envelope(
+                envelope.derive(
                     error_step(
                         work.request,
                         ErrorCode.DEADLINE_EXCEEDED,
                         "deadline: passed before a runner took the request",
                         "deadline",
-                    ),
-                    envelope.ack,
+                    )
                 )
             )
             return

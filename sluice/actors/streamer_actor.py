@@ -20,6 +20,7 @@ from sluice.actors.metrics import Metrics
 from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionStore
+from sluice.connectors.transactions import NotOwned, PartitionTransactions
 from sluice.schemas import ErrorEvent, FinalEvent, TokenEvent, encode
 from sluice.schemas.events import Choice, ErrorCode, Failure
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 class StreamerActor(Actor):
     def __init__(
         self,
-        producer: EventProducer,
+        producer: EventProducer | PartitionTransactions,
         tokens_topic: str,
         sessions: SessionStore | None,
         *,
@@ -48,6 +49,14 @@ class StreamerActor(Actor):
         self._token_deliveries: dict[str, list[asyncio.Future]] = {}  # request id -> unawaited
 
     async def handle(self, envelope: Envelope) -> None:
+        try:
+            await self._publish(envelope)
+        except NotOwned:
+            # Exactly-once, and the request's input partition moved to another member: what it
+            # produces here is no longer part of any transaction; its new owner resumes it.
+            log.info("dropping a message of %s: its partition moved away", envelope.body.request_id)
+
+    async def _publish(self, envelope: Envelope) -> None:
         message: StepMessage = envelope.body
         topic = message.reply_topic or self.tokens_topic
         if message.error is not None:
@@ -62,7 +71,7 @@ class StreamerActor(Actor):
                 logprobs=message.logprobs,
                 session_id=message.session_id,
             )
-            delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
+            delivery = await self._send(envelope, topic, encode(event))
             if envelope.ack is not no_ack:  # one record per token message when roles run apart
                 self._track(self._ack_after(delivery, envelope))
             else:
@@ -86,7 +95,7 @@ class StreamerActor(Actor):
                 session_id=message.session_id,
                 metadata=message.metadata,
             )
-        delivery = await self.producer.send(topic, key=message.request_id, value=encode(event))
+        delivery = await self._send(envelope, topic, encode(event))
         if message.dead_letter is not None and self.dlq_topic is not None:
             letter = ErrorEvent(
                 request_id=message.request_id,
@@ -98,10 +107,22 @@ class StreamerActor(Actor):
             letter = letter.with_raw(message.dead_letter.encode())
             self._token_deliveries.setdefault(message.request_id, []).append(
                 await self.producer.send(
-                    self.dlq_topic, key=message.request_id, value=encode(letter)
+                    self.dlq_topic,
+                    key=message.request_id,
+                    value=encode(letter),
+                    origin=envelope.origin,
                 )
             )
         self._track(self._finish_request(delivery, envelope))
+
+    async def _send(self, envelope: Envelope, topic: str, value: bytes) -> asyncio.Future:
+        """The message's event, with the records that must be written in one piece with it."""
+        key = envelope.body.request_id
+        if not envelope.writes:
+            return await self.producer.send(topic, key=key, value=value, origin=envelope.origin)
+        assert isinstance(self.producer, PartitionTransactions)
+        records = [*envelope.writes, (topic, key, value)]
+        return (await self.producer.send_together(envelope.origin, records))[-1]
 
     def _track(self, coro) -> None:
         task = asyncio.ensure_future(coro)

@@ -75,7 +75,7 @@ class TokenizerActor(Actor):
                     "reply_topic",
                     to_default_stream=True,
                 )
-                await self.send_error(Envelope(step, envelope.ack))
+                await self.send_error(envelope.derive(step))
                 return
         if request.session_id is None or self.sessions is None:
             await self._tokenize(envelope)
@@ -137,13 +137,13 @@ class TokenizerActor(Actor):
             history_tokens=prompt.history_tokens,
             received_at=envelope.received_at or time.time(),
         )
-        await self.send_work(Envelope(work, envelope.ack, envelope.received_at))
+        await self.send_work(envelope.derive(work))
 
     async def _reject(self, envelope: Envelope, code: str, message: str, field: str | None) -> None:
         request: GenerateRequest = envelope.body
         if request.session_id is not None and self.sessions is not None:
             await self.sessions.end_turn(request.tenant, request.session_id, request.request_id)
-        await self.send_error(Envelope(error_step(request, code, message, field), envelope.ack))
+        await self.send_error(envelope.derive(error_step(request, code, message, field)))
 
     async def on_failure(self, message, exc: BaseException) -> None:
         # A bug must not lose the request silently: the client gets an internal error.

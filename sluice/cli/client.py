@@ -198,7 +198,9 @@ class Received:
 class EventStream:
     """Reads events from the given topics (all partitions, no consumer group: nothing is
     committed and any number of clients can read the same stream), keeps only the wanted request
-    ids (all, when ``request_ids`` is None) and drops duplicate ``(request_id, seq)`` events."""
+    ids (all, when ``request_ids`` is None) and drops duplicate ``(request_id, seq)`` events.
+    It reads committed records only (``read_committed``): with exactly-once delivery, events of a
+    transaction that was aborted (a crash) are never seen."""
 
     MAX_TRACKED = 100_000
 
@@ -207,6 +209,7 @@ class EventStream:
         bootstrap_servers: str,
         topics: Iterable[str],
         request_ids: Iterable[str] | None = None,
+        isolation_level: str = "read_committed",
     ):
         self.topics = list(dict.fromkeys(topics))
         self.consumer = AIOKafkaConsumer(
@@ -215,6 +218,7 @@ class EventStream:
             enable_auto_commit=False,
             client_id="sluice-client",
             metadata_max_age_ms=5000,
+            isolation_level=isolation_level,
         )
         self._wanted: set[bytes] | None = (
             None if request_ids is None else {r.encode() for r in request_ids}

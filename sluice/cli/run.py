@@ -80,6 +80,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="create a missing reply topic (default: the request gets an error event)",
     )
     parser.add_argument(
+        "--delivery",
+        choices=["at-least-once", "exactly-once"],
+        default="at-least-once",
+        help="at-least-once: events may repeat after a crash (same content; consumers drop "
+        "copies by request id and seq); exactly-once: one transaction per input partition, "
+        "read_committed consumers see each event once (docs/DELIVERY.md)",
+    )
+    parser.add_argument(
+        "--commit-interval-ms",
+        type=int,
+        help="how often input offsets (and, exactly-once, transactions) commit "
+        "(default: 100 exactly-once, 1000 at-least-once)",
+    )
+    parser.add_argument(
         "--max-crashes",
         type=int,
         default=5,
@@ -118,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         create_reply_topics=args.create_reply_topics,
         max_crashes=args.max_crashes,
+        delivery=args.delivery,
+        commit_interval_ms=args.commit_interval_ms,
     )
     if args.runner_id:
         config.runner_id = args.runner_id

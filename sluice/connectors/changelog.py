@@ -20,8 +20,10 @@ import logging
 from collections.abc import Mapping
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.transactions import PartitionTransactions
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,9 @@ TOPIC_CONFIG = {
 
 
 class Changelog:
-    def __init__(self, bootstrap_servers: str, topic: str, producer: EventProducer):
+    def __init__(
+        self, bootstrap_servers: str, topic: str, producer: EventProducer | PartitionTransactions
+    ):
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.producer = producer
@@ -55,7 +59,7 @@ class Changelog:
             isolation_level="read_committed",  # an aborted transaction's records never count
         )
         await self._consumer.start()
-        partitions = await self.producer.partitions_for(self.topic)
+        partitions = await _partitions_of(self.bootstrap_servers, self.topic)
         self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         self._consumer.assign(self._partitions)
         await self._consumer.seek_to_beginning(*self._partitions)
@@ -72,33 +76,51 @@ class Changelog:
             consumer, self._consumer = self._consumer, None
             await consumer.stop()
 
+    @property
+    def transactional(self) -> bool:
+        """Whether its writes go into transactions (exactly-once)."""
+        return self.producer.transactional
+
     def get(self, key: str) -> bytes | None:
         return self._table.get(key)
 
     def __len__(self) -> int:
         return len(self._table)
 
-    async def put(self, records: Mapping[str, bytes]) -> None:
-        """Write every record, then wait until the broker has them all."""
-        await self._write({key: value for key, value in records.items()})
+    async def put(self, records: Mapping[str, bytes], origin: TopicPartition | None = None) -> None:
+        """Write every record, then wait until the broker has them all. `origin`: the input
+        partition they follow from (its transaction, with a transactional producer)."""
+        await self._write({key: value for key, value in records.items()}, origin)
 
-    async def delete(self, *keys: str) -> None:
+    async def delete(self, *keys: str, origin: TopicPartition | None = None) -> None:
         """Tombstone the keys (compaction removes them), waiting until written."""
-        await self._write({key: None for key in keys})
+        await self._write({key: None for key in keys}, origin)
 
-    async def _write(self, records: Mapping[str, bytes | None]) -> None:
+    async def _write(
+        self, records: Mapping[str, bytes | None], origin: TopicPartition | None
+    ) -> None:
         for key, value in records.items():
             if value is None:
                 self._table.pop(key, None)
             else:
                 self._table[key] = value
         futures = {
-            key: await self.producer.send(self.topic, key=key, value=value)
+            key: await self.producer.send(self.topic, key=key, value=value, origin=origin)
             for key, value in records.items()
         }
         for key, future in futures.items():
             meta = await future
             self._seen[key] = max(self._seen.get(key, (-1, -1)), (meta.partition, meta.offset))
+
+    def stage(self, records: Mapping[str, bytes | None]) -> list[tuple[str, str, bytes | None]]:
+        """Take the records into the table now and return them as (topic, key, value) for the
+        caller to write, in one piece with what they belong to (a transaction's events)."""
+        for key, value in records.items():
+            if value is None:
+                self._table.pop(key, None)
+            else:
+                self._table[key] = value
+        return [(self.topic, key, value) for key, value in records.items()]
 
     async def catch_up(self) -> None:
         """Read every record written until now (by any process) into the table."""
@@ -129,3 +151,16 @@ class Changelog:
             self._table.pop(key, None)
         else:
             self._table[key] = record.value
+
+
+async def _partitions_of(bootstrap_servers: str, topic: str) -> list[int]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    partitions = [p["partition"] for p in described["partitions"]]
+    if described["error_code"] != 0 or not partitions:
+        raise RuntimeError(f"changelog topic {topic} has no partitions (does it exist?)")
+    return partitions

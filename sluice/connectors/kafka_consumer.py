@@ -101,7 +101,9 @@ class RequestConsumer:
         heartbeat_interval_ms: int = 3_000,
         max_poll_interval_ms: int = 300_000,
         rebalance_timeout_ms: int | None = None,
-        on_assigned: Callable[[], Awaitable[None]] | None = None,
+        on_assigned: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
+        on_revoked: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
+        commit_with: Callable[[dict[TopicPartition, int]], Awaitable[None]] | None = None,
         **kafka_options: Any,
     ) -> None:
         self.topics = [topics] if isinstance(topics, str) else list(topics)
@@ -115,8 +117,14 @@ class RequestConsumer:
                 raise ValueError("low_water must be at least 0 and below max_in_flight")
         self.max_in_flight = max_in_flight
         self.low_water = low_water
-        # Awaited at every assignment before its records are handed out (state to restore).
+        # Awaited at every assignment before its records are handed out (state to restore), and
+        # at every revocation after its last commit.
         self.on_assigned = on_assigned
+        self.on_revoked = on_revoked
+        # What commits offsets, instead of the consumer's own commit: a transactional output
+        # adds them to its transactions (called every time, with nothing new too: the open
+        # transactions commit then).
+        self.commit_with = commit_with
         self.drain_timeout = drain_timeout
         self.max_poll_records = max_poll_records
         self.poll_timeout = poll_timeout
@@ -353,14 +361,19 @@ class RequestConsumer:
         if partitions is not None:
             wanted = set(partitions)
             offsets = {tp: o for tp, o in offsets.items() if tp in wanted}
-        if not offsets:
+        if not offsets and self.commit_with is None:
             return {}
         # Remember whose offsets these are: a rebalance may replace the states during the await.
         states = {tp: self._parts[tp] for tp in offsets}
         try:
-            await self._consumer.commit(offsets)
+            if self.commit_with is not None:
+                await self.commit_with(offsets)
+            else:
+                await self._consumer.commit(offsets)
         except (CommitFailedError, IllegalStateError) as exc:
             log.warning("commit of %s skipped: %s", _fmt(offsets), exc)
+            return {}
+        if not offsets:
             return {}
         for tp, offset in offsets.items():
             tracker = states[tp].tracker
@@ -449,6 +462,11 @@ class RequestConsumer:
             committed = {}
         for state in states:
             self._parts.pop(state.tp, None)
+        if self.on_revoked is not None:
+            try:
+                await self.on_revoked({s.tp for s in states})
+            except Exception:
+                log.exception("closing the state of the revoked partitions failed")
         self._drop_buffered(revoked)  # whatever a fetch in progress added meanwhile
         if pending:
             self.abandoned += pending
@@ -490,7 +508,7 @@ class RequestConsumer:
                 state.generation = self._generation
         if self.on_assigned is not None:
             try:
-                await self.on_assigned()
+                await self.on_assigned(set(assigned))
             except Exception:
                 log.exception("restoring state for the new assignment failed")
         self._rebalancing = False

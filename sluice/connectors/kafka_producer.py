@@ -29,6 +29,8 @@ DEFAULT_LINGER_MS = 2
 
 
 class EventProducer:
+    transactional = False
+
     """`AIOKafkaProducer` with the settings the delivery guarantees need.
 
     ``await producer.send(...)`` queues the record (waiting only when the send buffer is full:
@@ -90,8 +92,11 @@ class EventProducer:
         value: bytes,
         headers: Headers | None = None,
         partition: int | None = None,
+        *,
+        origin: Any = None,
     ) -> asyncio.Future[RecordMetadata]:
-        """Queue one record; the returned future resolves to its metadata once written."""
+        """Queue one record; the returned future resolves to its metadata once written. (`origin`,
+        the input partition the record follows from, matters only to a transactional output.)"""
         if self._producer is None:
             raise RuntimeError("EventProducer.start() was not called")
         return await self._producer.send(
@@ -109,6 +114,8 @@ class EventProducer:
         value: bytes,
         headers: Headers | None = None,
         partition: int | None = None,
+        *,
+        origin: Any = None,
     ) -> RecordMetadata:
         """Send one record and wait until the broker has it."""
         return await (await self.send(topic, key, value, headers, partition))

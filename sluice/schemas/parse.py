@@ -66,6 +66,16 @@ def _no_constants(name: str) -> Any:
     raise _NotJson(f"{name} is not valid JSON")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different: which of two values a client meant is unknown."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _NotJson(f"message is not JSON we accept: duplicate key {_utf8_safe(key)!r}")
+        out[key] = value
+    return out
+
+
 def _as_bytes(raw: bytes | bytearray | memoryview | str) -> bytes:
     if isinstance(raw, str):
         return raw.encode("utf-8", "surrogatepass")
@@ -79,7 +89,7 @@ def _load_json(data: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise _NotJson(f"message is not UTF-8 (invalid byte at offset {exc.start})") from None
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        return json.loads(text, parse_constant=_no_constants, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise _NotJson(
             f"message is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"

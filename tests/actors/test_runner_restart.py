@@ -24,6 +24,8 @@ from .helpers import BOUND, eventually
 class MemoryChangelog:
     """The Changelog interface over a dict (what the runner's progress log needs of it)."""
 
+    transactional = False
+
     def __init__(self):
         self.table: dict[str, bytes] = {}
 
@@ -39,10 +41,10 @@ class MemoryChangelog:
     def get(self, key):
         return self.table.get(key)
 
-    async def put(self, records):
+    async def put(self, records, origin=None):
         self.table.update(records)
 
-    async def delete(self, *keys):
+    async def delete(self, *keys, origin=None):
         for key in keys:
             self.table.pop(key, None)
 

@@ -16,7 +16,7 @@ class FakeProducer:
         self.sent = []
         self.flushed = False
 
-    async def send(self, topic, key=None, value=None):
+    async def send(self, topic, key=None, value=None, origin=None):
         self.sent.append((topic, key, json.loads(value)))
         future = asyncio.get_running_loop().create_future()
         future.set_result(None)

@@ -113,7 +113,9 @@ class PipelineProcess:
 
 
 async def publish(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, enable_idempotence=True, max_request_size=8 << 20
+    )
     await producer.start()
     try:
         for key, value in messages:
@@ -292,7 +294,7 @@ class Watcher:
     """Reads the tokens and dead-letter topics in the background into `streams`, so a test can
     act (kill a process, publish the next turn) the moment a condition holds."""
 
-    def __init__(self, bootstrap: str, prefix: str):
+    def __init__(self, bootstrap: str, prefix: str, isolation_level: str = "read_uncommitted"):
         self.bootstrap = bootstrap
         self.streams = Streams()
         self.records = 0
@@ -304,6 +306,7 @@ class Watcher:
             auto_offset_reset="earliest",
             enable_auto_commit=False,
             metadata_max_age_ms=1000,
+            isolation_level=isolation_level,
         )
         self._task: asyncio.Task | None = None
 

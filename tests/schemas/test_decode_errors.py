@@ -37,6 +37,8 @@ def obj(**fields) -> bytes:
         (b'{"prompt": "x", "temperature": NaN}', "NaN is not valid JSON"),
         (b'{"prompt": "x", "temperature": -Infinity}', "-Infinity is not valid JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"prompt": "a", "prompt": "b"}', "duplicate key 'prompt'"),
+        (b'{"prompt": "x", "metadata": {"k": 1, "k": 2}}', "duplicate key 'k'"),
     ],
 )
 def test_undecodable_bytes_are_invalid_json(raw, why):
