@@ -316,12 +316,12 @@ def main() -> None:
     RESULTS.write_text(json.dumps(result, indent=2))
 
     print(
-        f"\n{'side':<22}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+        f"\n{'side':<34}{'tok/s':>9}{'wall s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
         f"{'TPOT p99':>10}{'others':>8}{'alone TTFT':>12}"
     )
     for s in (engine, *kafkas):
         print(
-            f"{s['side']:<22}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
+            f"{s['side']:<34}{s['throughput_tok_s']:>9.1f}{s['wall_s']:>9.1f}"
             f"{s['ttft_p50_s'] * 1000:>8.0f}ms{s['ttft_p99_s'] * 1000:>8.0f}ms"
             f"{s['tpot_p50_s'] * 1000:>8.1f}ms{s['tpot_p99_s'] * 1000:>8.1f}ms"
             f"{s['others_cores']:>8.2f}"

@@ -7,6 +7,9 @@ with no gaps. Driven by a plain aiokafka client (pipeline_harness.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from pipeline_harness import (
     PipelineProcess,
@@ -136,3 +139,68 @@ async def test_two_sigkills_mid_generation_resume_every_stream(
             assert final["seed"] == body["seed"], rid
         else:
             assert isinstance(final["seed"], int), rid  # given one, and told which
+
+
+async def test_a_runner_sigkilled_among_two_hands_its_requests_to_the_other(
+    bootstrap_servers, tmp_path
+):
+    """One role per process and two runners: SIGKILL one in the middle of generation. Its work
+    partitions move to the other runner, which reads the progress the dead one recorded and
+    resumes its requests: every stream complete and consistent, as after a whole-process crash."""
+    prefix = new_prefix()
+    bodies = mixed_requests()
+    ids = {b["request_id"] for b in bodies}
+    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs: list[PipelineProcess] = []
+
+    def start(role: str, *extra: str, name: str | None = None) -> PipelineProcess:
+        process = PipelineProcess(
+            bootstrap_servers,
+            None,
+            prefix,
+            tmp_path,
+            "--role",
+            role,
+            *extra,
+            name=name or role,
+            env=one_thread if role == "runner" else None,
+        )
+        procs.append(process)
+        return process
+
+    runners = [start("runner", "--runner-id", f"runner-{c}", name=f"runner-{c}") for c in "ab"]
+    for role in ("tokenizer", "scheduler", "streamer"):
+        start(role)
+    try:
+        for process in procs:
+            process.wait_ready(timeout=180)
+        deadline = time.monotonic() + 60
+        while not all(
+            " partitions assigned" in r.text() and "internal.work:" in r.text() for r in runners
+        ):
+            assert time.monotonic() < deadline, [r.tail() for r in runners]
+            await asyncio.sleep(0.3)
+        async with Watcher(bootstrap_servers, prefix) as watcher:
+            messages = [
+                request(b["request_id"], **{k: v for k, v in b.items() if k != "request_id"})
+                for b in bodies
+            ]
+            await publish(bootstrap_servers, f"{prefix}.requests", messages)
+
+            def some_finished(s: Streams) -> bool:
+                return sum(1 for rid in ids if s.finals(rid)) >= 3
+
+            await watcher.wait_for(some_finished, 240, "the first finals")
+            victim = runners[0]
+            victim.kill()
+            streams = await watcher.wait_finals(ids, timeout=300)
+        survivor = runners[1].text()
+    finally:
+        for process in procs:
+            process.stop()
+    assert "resumes after its" in survivor, "the other runner resumed nothing"
+    for body in bodies:
+        rid = body["request_id"]
+        final = assert_one_consistent_stream(streams.events[rid], rid, body["max_tokens"])
+        if "seed" in body:
+            assert final["seed"] == body["seed"], rid
