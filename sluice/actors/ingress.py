@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from sluice.actors.messages import Envelope
 from sluice.actors.metrics import Metrics
+from sluice.actors.progress import ProgressLog
 from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.transport import Sink
 from sluice.connectors.kafka_consumer import RequestConsumer
@@ -53,6 +54,7 @@ class Ingress:
         on_committed: Callable[[list[tuple[str, TopicPartition]]], Awaitable[None]] | None = None,
         reply_topics: ReplyTopics | None = None,
         commit_interval_s: float = COMMIT_INTERVAL_S,
+        answered: ProgressLog | None = None,
     ):
         self.consumer = consumer
         self.producer = producer
@@ -66,6 +68,9 @@ class Ingress:
         self.on_committed = on_committed
         self.reply_topics = reply_topics
         self.commit_interval_s = commit_interval_s
+        # Exactly-once: where inputs answered by an error event alone are marked, so that one
+        # delivered again (a crash before its offset was committed) is not answered twice.
+        self.answered = answered
         self._acked: list[tuple[TopicPartition, int, str]] = []  # done, not yet known committed
 
     async def run(self) -> None:
@@ -78,6 +83,16 @@ class Ingress:
             committer.cancel()
 
     async def _handle(self, record: ConsumerRecord) -> None:
+        origin = TopicPartition(record.topic, record.partition)
+        if self.answered is not None and self.answered.answered(origin, record.offset):
+            log.info(
+                "input at %s[%d]@%d was answered before (its error event is committed)",
+                record.topic,
+                record.partition,
+                record.offset,
+            )
+            self.consumer.done(record)
+            return
         try:
             body = self.decode(record.value or b"")
         except RequestRejected as rejected:
@@ -90,8 +105,7 @@ class Ingress:
             self._spawn(self._publish_error(record, event, None))
             return
         ack = self._acker(record, _request_id_of(body))
-        origin = TopicPartition(record.topic, record.partition)
-        await self.deliver(Envelope(body, ack, time.time(), origin))
+        await self.deliver(Envelope(body, ack, time.time(), origin, record.offset))
 
     def _acker(self, record: ConsumerRecord, request_id: str | None) -> Callable[[], None]:
         def ack() -> None:
@@ -103,6 +117,8 @@ class Ingress:
 
     async def _report_committed(self, committed: dict[TopicPartition, int]) -> None:
         """Tell `on_committed` which acknowledged requests a commit has now passed."""
+        if committed and self.answered is not None:
+            await self.answered.forget_answered(committed)
         if not self._acked or not committed or self.on_committed is None:
             return
         passed = [(rid, tp) for tp, offset, rid in self._acked if offset < committed.get(tp, -1)]
@@ -133,13 +149,15 @@ class Ingress:
             event.code,
             event.message,
         )
+        origin = TopicPartition(record.topic, record.partition)
         try:
-            await self.producer.send_and_wait(
-                topic,
-                key=key,
-                value=encode(event),
-                origin=TopicPartition(record.topic, record.partition),
-            )
+            if self.answered is not None and isinstance(self.producer, PartitionTransactions):
+                marker = self.answered.mark_answered(origin, record.offset)
+                records = [*marker, (topic, key, encode(event))]
+                await (await self.producer.send_together(origin, records))[-1]
+            else:
+                value = encode(event)
+                await self.producer.send_and_wait(topic, key=key, value=value, origin=origin)
         except Exception:
             log.exception(
                 "could not publish the error event for %s[%d]@%d; it will be retried after a "

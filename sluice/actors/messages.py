@@ -58,6 +58,9 @@ class StepMessage(_Internal):
     full_text: str | None = None  # on the final message
     choices: list[dict] | None = None  # on the final message when n > 1
     seed: int | None = None  # on the final message: the request's seed (or the one it was given)
+    # On a final delivered again whose events are committed already (exactly-once): publish
+    # nothing, only finish the request (its session turn, its offset).
+    published: bool = False
     failure: str | None = None  # on a final with finish_reason "error": what went wrong
     dead_letter: str | None = None  # the request (JSON), when it goes to the dead-letter topic
     error: ErrorEvent | None = None  # set instead of tokens when the request failed
@@ -84,6 +87,7 @@ class Envelope:
     # The input partition the work came from: with exactly-once delivery, what it causes to be
     # written goes into that partition's transaction.
     origin: TopicPartition | None = None
+    offset: int | None = None  # of the input record in `origin`: where it stands in its order
     # Records to write in one piece with this message's event (exactly-once: its request's
     # progress records, so that both commit in the same transaction): (topic, key, value).
     writes: list[tuple[str, str, bytes | None]] = field(default_factory=list)
@@ -92,4 +96,6 @@ class Envelope:
         self, body: TokenizedRequest | StepMessage | GenerateRequest, ack: Ack | None = None
     ) -> Envelope:
         """An envelope for work that follows from this one (same origin and arrival time)."""
-        return Envelope(body, self.ack if ack is None else ack, self.received_at, self.origin)
+        return Envelope(
+            body, self.ack if ack is None else ack, self.received_at, self.origin, self.offset
+        )

@@ -75,6 +75,7 @@ class PipelineConfig:
     group: str = "sluice"
     max_in_flight: int = 64  # unfinished requests per process before its input pauses
     session_ttl_s: int = 3600
+    redis_outage_wait_s: float = 30.0  # how long session turns wait for Redis to come back
     metrics_port: int | None = None
     runner_id: str = field(default_factory=lambda: f"runner-{socket.gethostname()}-{os.getpid()}")
     drain_timeout_s: float = 60.0
@@ -154,7 +155,9 @@ class Pipeline:
         if exactly_once:
             self.output = PartitionTransactions(c.bootstrap_servers, app_id=c.group, group_id=group)
         if c.redis_url and self.role in (None, "tokenizer", "streamer"):
-            self.sessions = SessionStore(c.redis_url, ttl_s=c.session_ttl_s)
+            self.sessions = SessionStore(
+                c.redis_url, ttl_s=c.session_ttl_s, outage_wait_s=c.redis_outage_wait_s
+            )
             ok = await self.sessions.check()
             self.metrics.redis_available.set(1 if ok else 0)
             log.info(
@@ -202,6 +205,7 @@ class Pipeline:
             on_committed=self.progress.forget if self.progress else None,
             reply_topics=self.reply_topics,
             commit_interval_s=interval / 1000,
+            answered=self._answered(),
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()
@@ -240,6 +244,11 @@ class Pipeline:
         self.engine.fault_hook = fault_hook_from_env(self.engine.tokenizer)  # tests only
         return self.engine
 
+    def _answered(self) -> ProgressLog | None:
+        """Where inputs answered by an error event alone are marked: exactly-once only (at least
+        once, an answer sent twice is allowed, and dropped by consumers)."""
+        return self.progress if isinstance(self.output, PartitionTransactions) else None
+
     def _sink(self, topic: str, key) -> KafkaSink:
         sink = KafkaSink(self.producer, topic, key)
         self._sinks.append(sink)
@@ -252,6 +261,7 @@ class Pipeline:
             self.sessions,
             metrics=self.metrics,
             dlq_topic=self.config.topics.dlq,
+            answered=self._answered(),
             capacity=max(1024, 4 * self.config.max_in_flight),
         )
 

@@ -133,9 +133,12 @@ class RunnerActor(Actor):
             record.origin = envelope.origin
         if record is not None and record.final is not None:
             if self.progress is not None and self.progress.transactional:
-                # Its events and its final are committed, and visible: only its offset is not.
-                log.info("request %s delivered again after its final: committing it", request_id)
-                envelope.ack()
+                # Its events and its final are committed, and visible; its offset is not, and
+                # its session turn may not be recorded yet: the streamer finishes it, publishing
+                # nothing.
+                log.info("request %s delivered again after its final: finishing it", request_id)
+                published = record.final.model_copy(update={"published": True})
+                await self.send_steps(envelope.derive(published))
                 return
             # It had finished: send everything again as it was, and nothing else.
             log.info("request %s delivered again after its final: resending it", request_id)

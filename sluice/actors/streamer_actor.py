@@ -17,6 +17,7 @@ import logging
 
 from sluice.actors.messages import Envelope, StepMessage, no_ack
 from sluice.actors.metrics import Metrics
+from sluice.actors.progress import ProgressLog
 from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionStore
@@ -36,6 +37,7 @@ class StreamerActor(Actor):
         *,
         metrics: Metrics | None = None,
         dlq_topic: str | None = None,
+        answered: ProgressLog | None = None,
         name: str = "streamer",
         capacity: int = 1024,
     ):
@@ -45,6 +47,7 @@ class StreamerActor(Actor):
         self.sessions = sessions
         self.metrics = metrics
         self.dlq_topic = dlq_topic
+        self.answered = answered  # exactly-once: where inputs answered by an error are marked
         self._finishing: set[asyncio.Task] = set()
         self._token_deliveries: dict[str, list[asyncio.Future]] = {}  # request id -> unawaited
 
@@ -58,6 +61,9 @@ class StreamerActor(Actor):
 
     async def _publish(self, envelope: Envelope) -> None:
         message: StepMessage = envelope.body
+        if message.published:
+            self._track(self._finish_request(None, envelope))
+            return
         topic = message.reply_topic or self.tokens_topic
         if message.error is not None:
             event = message.error.model_copy(update={"seq": message.seq})
@@ -118,10 +124,16 @@ class StreamerActor(Actor):
     async def _send(self, envelope: Envelope, topic: str, value: bytes) -> asyncio.Future:
         """The message's event, with the records that must be written in one piece with it."""
         key = envelope.body.request_id
-        if not envelope.writes:
+        writes = envelope.writes
+        if envelope.body.error is not None and self.answered is not None:
+            # A request rejected before the engine: its error event is all it gets; marked
+            # answered with it, so that a delivery again after a crash does not answer it twice.
+            if envelope.origin is not None and envelope.offset is not None:
+                writes = [*writes, *self.answered.mark_answered(envelope.origin, envelope.offset)]
+        if not writes:
             return await self.producer.send(topic, key=key, value=value, origin=envelope.origin)
         assert isinstance(self.producer, PartitionTransactions)
-        records = [*envelope.writes, (topic, key, value)]
+        records = [*writes, (topic, key, value)]
         return (await self.producer.send_together(envelope.origin, records))[-1]
 
     def _track(self, coro) -> None:
@@ -140,11 +152,13 @@ class StreamerActor(Actor):
             return
         envelope.ack()
 
-    async def _finish_request(self, delivery, envelope: Envelope) -> None:
+    async def _finish_request(self, delivery: asyncio.Future | None, envelope: Envelope) -> None:
+        """Once every event of the request is durable (`delivery`: its final's; None when it
+        was published before): its session turn, then its acknowledgement."""
         message: StepMessage = envelope.body
         tokens = self._token_deliveries.pop(message.request_id, [])
         try:
-            for future in [*tokens, delivery]:
+            for future in [*tokens, *([delivery] if delivery is not None else [])]:
                 await future
         except Exception:
             log.exception(
@@ -167,7 +181,8 @@ class StreamerActor(Actor):
             else:  # it ended without an answer to remember: the next turn need not wait
                 await self.sessions.end_turn(message.tenant, message.session_id, message.request_id)
         envelope.ack()
-        self._record(message)
+        if not message.published:  # (counted when it was)
+            self._record(message)
 
     def _record(self, message: StepMessage) -> None:
         if self.metrics is None:

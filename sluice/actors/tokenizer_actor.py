@@ -80,30 +80,48 @@ class TokenizerActor(Actor):
         if request.session_id is None or self.sessions is None:
             await self._tokenize(envelope)
             return
+        # Each session's turns in order, in a task of the session's own: a turn that waits (for
+        # the one before it, or for Redis to come back) holds up no other session's requests.
         turn = (request.tenant, request.session_id)
-        if turn in self._waiting:  # behind another waiting turn of the session: keep the order
+        if turn in self._waiting:
             self._waiting[turn].append(envelope)
-        elif await self.sessions.begin_turn(request.tenant, request.session_id, request.request_id):
-            await self._tokenize(envelope)
         else:
             self._waiting[turn] = deque([envelope])
-            self.spawn(self._wait_turns(turn), name=f"turns-{request.session_id}")
+            self.spawn(self._serve_turns(turn), name=f"turns-{request.session_id}")
 
-    async def _wait_turns(self, turn: tuple[str | None, str]) -> None:
-        """Hand on a session's waiting turns in order, each once the turn before it answered
-        (its prompt then continues the answer), or after `turn_wait_s` without it."""
+    async def _serve_turns(self, turn: tuple[str | None, str]) -> None:
+        """Hand on a session's turns in order, each once the turn before it answered (its prompt
+        then continues the answer), or after `turn_wait_s` without it."""
         assert self.sessions is not None
         queue = self._waiting[turn]
         while queue:
             envelope = queue[0]
             request: GenerateRequest = envelope.body
+            position = None
+            if envelope.origin is not None and envelope.offset is not None:
+                position = (envelope.origin.topic, envelope.origin.partition, envelope.offset)
             deadline = time.monotonic() + self.turn_wait_s
             while not await self.sessions.begin_turn(
-                *turn, request.request_id, force=time.monotonic() > deadline
+                *turn,
+                request.request_id,
+                position=position,
+                force=(forced := time.monotonic() > deadline),
             ):
                 await asyncio.sleep(TURN_POLL_S)
+            if forced:
+                log.warning(
+                    "turn %s of session %s waited %.0f s for the session's previous turn, which "
+                    "never ended; served without it",
+                    request.request_id,
+                    request.session_id,
+                    self.turn_wait_s,
+                )
             queue.popleft()
-            await self._tokenize(envelope)
+            try:
+                await self._tokenize(envelope)
+            except Exception as exc:  # as in `handle`: the client hears of it, the session goes on
+                log.exception("tokenizing %s failed", request.request_id)
+                await self.on_failure(envelope, exc)
         del self._waiting[turn]
 
     async def _tokenize(self, envelope: Envelope) -> None:

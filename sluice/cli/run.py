@@ -69,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--session-ttl", type=int, default=3600, help="seconds a session is remembered"
     )
     parser.add_argument(
+        "--redis-outage-wait-s",
+        type=float,
+        default=30.0,
+        help="how long session turns wait for Redis when it goes away while serving (a restart, "
+        "a failover) before they are served without their history",
+    )
+    parser.add_argument(
         "--reply-topics",
         metavar="PATTERN",
         help="the topics a request may name as reply_topic, shell-style "
@@ -128,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         group=args.group,
         max_in_flight=args.max_in_flight,
         session_ttl_s=args.session_ttl,
+        redis_outage_wait_s=args.redis_outage_wait_s,
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
         create_reply_topics=args.create_reply_topics,

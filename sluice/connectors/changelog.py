@@ -87,6 +87,9 @@ class Changelog:
     def __len__(self) -> int:
         return len(self._table)
 
+    def keys(self) -> list[str]:
+        return list(self._table)
+
     async def put(self, records: Mapping[str, bytes], origin: TopicPartition | None = None) -> None:
         """Write every record, then wait until the broker has them all. `origin`: the input
         partition they follow from (its transaction, with a transactional producer)."""

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 from sluice.connectors.processes import StackError, owned_pid, port_is_free, stop_pid, tail
-from sluice.connectors.settings import LOOPBACK, StackSettings
+from sluice.connectors.settings import LOOPBACK, REDIS_APPENDFSYNC_CHOICES, StackSettings
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,7 @@ class LocalRedis:
             str(self.log_file),
             "--save",
             "",
-            "--appendonly",
-            "no",
+            *self._persistence(),
             "--protected-mode",
             "yes",
         ]
@@ -124,6 +123,18 @@ class LocalRedis:
             f"redis-server did not answer within {timeout:.0f} s. Last lines of "
             f"{self.log_file}:\n{tail(self.log_file)}"
         )
+
+    def _persistence(self) -> list[str]:
+        """Session records survive a restart of Redis (an append-only file in its directory)."""
+        fsync = self.settings.redis_appendfsync
+        if fsync not in REDIS_APPENDFSYNC_CHOICES:
+            raise StackError(
+                f"SLUICE_REDIS_APPENDFSYNC must be one of {', '.join(REDIS_APPENDFSYNC_CHOICES)}, "
+                f"not {fsync!r}"
+            )
+        if fsync == "off":
+            return ["--appendonly", "no"]
+        return ["--appendonly", "yes", "--appendfsync", fsync]
 
     def stop(self) -> bool:
         pid = self.pid()

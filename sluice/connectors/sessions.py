@@ -12,11 +12,14 @@ its answer is recorded (`record_turn`) or it ends otherwise (`end_turn`), so the
 turn can wait for it. Updates are read-modify-write in a Redis transaction (WATCH/MULTI), retried
 when another writer got there first.
 
-Redis is an optimisation here, never a dependency: without it a conversation's next turn is
-prefilled from scratch instead of reusing its cached prefix. So when Redis is unreachable no
-method raises: reads return None, writes do nothing, `available` turns False and one warning is
-logged per outage. Short socket timeouts keep a dead Redis from stalling the pipeline, and while
-it is down only one call every `probe_interval` seconds tries it; the others return at once.
+Redis going away never stops the pipeline. An outage that begins while serving (a restart, a
+failover) is ridden out: for up to `outage_wait_s` the calls of a session turn (its start, its
+history, its answer) wait and retry, so the turn is built on, and recorded in, the conversation
+as it is. Past that, or when Redis was unreachable from the start, sessions degrade: no method
+raises, reads return None, writes do nothing, `available` turns False and one warning is logged
+per outage (a conversation's next turn is then served without its history). Short socket timeouts
+keep a dead Redis from stalling the pipeline, and while it is down only one call every
+`probe_interval` seconds tries it; the others return at once.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ KEY_PREFIX = "sluice:session"
 DEFAULT_TTL_S = 3600
 DEFAULT_SOCKET_TIMEOUT_S = 0.5
 DEFAULT_PROBE_INTERVAL_S = 5.0
+DEFAULT_OUTAGE_WAIT_S = 30.0  # how long a turn waits for Redis to come back (a restart, a failover)
+OUTAGE_RETRY_S = 0.25
 # Requests without a tenant share this one; tenant ids are never empty, so it cannot collide.
 NO_TENANT = ""
 
@@ -74,6 +79,8 @@ class SessionRecord(BaseModel):
     turn_ids: list[str] = Field(default_factory=list)
     turn_starts: list[tuple[int, int]] = Field(default_factory=list)
     pending: str | None = None  # the request id of a turn being served
+    # Where that turn's request stands in the input: (topic, partition, offset).
+    pending_at: tuple[str, int, int] | None = None
 
     def before(self, request_id: str) -> tuple[list[dict[str, Any]], list[int]]:
         """The conversation as it was before `request_id`'s turn (all of it, for a new turn)."""
@@ -86,6 +93,13 @@ class SessionRecord(BaseModel):
     @classmethod
     def _no_tenant(cls, value: Any) -> Any:
         return NO_TENANT if value is None else value
+
+
+def _stands_after(pending: tuple[str, int, int] | None, mine: tuple[str, int, int] | None) -> bool:
+    """Whether the pending turn's request comes after this one in the same input partition."""
+    if pending is None or mine is None:
+        return False
+    return tuple(pending[:2]) == tuple(mine[:2]) and pending[2] > mine[2]
 
 
 def session_key(tenant: str | None, session_id: str) -> str:
@@ -117,11 +131,13 @@ class SessionStore:
         ttl_s: int = DEFAULT_TTL_S,
         socket_timeout: float = DEFAULT_SOCKET_TIMEOUT_S,
         probe_interval: float = DEFAULT_PROBE_INTERVAL_S,
+        outage_wait_s: float = DEFAULT_OUTAGE_WAIT_S,
     ) -> None:
         self.url = url = url or redis_url()
         self.ttl_s = ttl_s
         self.socket_timeout = socket_timeout
         self.probe_interval = probe_interval
+        self.outage_wait_s = outage_wait_s
         self._client = aioredis.Redis.from_url(
             url,
             socket_timeout=socket_timeout,
@@ -134,6 +150,8 @@ class SessionStore:
         self.available = True
         self._down_since: float | None = None
         self._next_probe = 0.0
+        self._seen_up = False  # an outage is ridden out only after Redis was seen serving
+        self._ride_until = 0.0  # until when the turns wait for Redis in this outage
         # Counters for metrics.
         self.failures = 0  # calls that failed because Redis was unreachable or too slow
         self.skipped = 0  # calls not tried because Redis was down and no probe was due
@@ -153,9 +171,14 @@ class SessionStore:
         """Ping Redis (subject to the probe back-off); True when it answered."""
         return bool(await self._call("ping", lambda r: r.ping(), False))
 
-    async def get(self, tenant: str | None, session_id: str) -> SessionRecord | None:
-        """The session's record; None when there is none, or Redis is unreachable."""
-        raw = await self._call("get", lambda r: r.get(session_key(tenant, session_id)), None)
+    async def get(
+        self, tenant: str | None, session_id: str, *, wait: bool = False
+    ) -> SessionRecord | None:
+        """The session's record; None when there is none, or Redis is unreachable (`wait`: once
+        a new outage has lasted `outage_wait_s`)."""
+        raw = await self._call(
+            "get", lambda r: r.get(session_key(tenant, session_id)), None, wait=wait
+        )
         return self._parse(raw, tenant, session_id)
 
     async def update(self, record: SessionRecord) -> bool:
@@ -169,21 +192,33 @@ class SessionStore:
         self, tenant: str | None, session_id: str, request_id: str
     ) -> tuple[list[dict[str, Any]], list[int]] | None:
         """The conversation a turn continues: before its own entry when it is served again."""
-        record = await self.get(tenant, session_id)
+        record = await self.get(tenant, session_id, wait=True)
         return None if record is None else record.before(request_id)
 
     async def begin_turn(
-        self, tenant: str | None, session_id: str, request_id: str, *, force: bool = False
+        self,
+        tenant: str | None,
+        session_id: str,
+        request_id: str,
+        *,
+        position: tuple[str, int, int] | None = None,
+        force: bool = False,
     ) -> bool:
         """Mark the turn in flight; False (changing nothing) while another turn of the session
-        is, unless `force`. True too when Redis cannot tell (sessions are an optimisation)."""
+        is, unless `force`. True too when Redis cannot tell (sessions are an optimisation).
+
+        `position` is where the turn's request stands in the input (topic, partition, offset).
+        A pending turn that stands *after* it ran ahead in an earlier delivery (this one is being
+        served again after a crash, and the later turn will come again behind it): it does not
+        hold this one up, or each would wait for the other."""
 
         def change(record: SessionRecord | None) -> SessionRecord | None | bool:
             if record is None:
                 record = SessionRecord(tenant=tenant or NO_TENANT, session_id=session_id)
-            if record.pending not in (None, request_id) and not force:
+            blocked = record.pending not in (None, request_id)
+            if blocked and not force and not _stands_after(record.pending_at, position):
                 return False
-            record.pending = request_id
+            record.pending, record.pending_at = request_id, position
             return record
 
         return await self._transact("begin_turn", tenant, session_id, change, True)
@@ -194,7 +229,7 @@ class SessionStore:
         def change(record: SessionRecord | None) -> SessionRecord | None | bool:
             if record is None or record.pending != request_id:
                 return True
-            record.pending = None
+            record.pending, record.pending_at = None, None
             return record
 
         return await self._transact("end_turn", tenant, session_id, change, False)
@@ -228,7 +263,7 @@ class SessionStore:
             record.turns = len(record.turn_ids)
             record.owner, record.model = owner, model
             if record.pending == request_id:
-                record.pending = None
+                record.pending, record.pending_at = None, None
             return record
 
         return await self._transact("record_turn", tenant, session_id, change, False)
@@ -266,7 +301,7 @@ class SessionStore:
                     except WatchError:
                         continue  # another writer got there first: read again
 
-        return bool(await self._call(what, op, default))
+        return bool(await self._call(what, op, default, wait=True))
 
     def _parse(
         self, raw: bytes | None, tenant: str | None, session_id: str
@@ -290,21 +325,37 @@ class SessionStore:
         removed = await self._call("delete", lambda r: r.delete(session_key(tenant, session_id)), 0)
         return bool(removed)
 
-    async def _call(self, what: str, op: Callable[[aioredis.Redis], Awaitable[T]], default: T) -> T:
-        if not self.available and time.monotonic() < self._next_probe:
-            self.skipped += 1
-            return default
-        try:
-            # The socket timeouts bound each read and connect; this bounds the whole call
-            # (name resolution, the retry) so nothing can hold a turn up for long.
-            result = await asyncio.wait_for(op(self._client), self.socket_timeout * 4)
-        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
-            self._went_down(exc)
-            return default
-        except RedisError as exc:
-            self.errors += 1
-            log.warning("Redis %s failed: %s", what, exc)
-            return default
+    async def _call(
+        self,
+        what: str,
+        op: Callable[[aioredis.Redis], Awaitable[T]],
+        default: T,
+        *,
+        wait: bool = False,
+    ) -> T:
+        """`op` on Redis; `default` when Redis is unreachable, unless `wait` and the outage is
+        young: then retry until Redis is back or the outage is `outage_wait_s` old."""
+        while True:
+            riding = wait and time.monotonic() < self._ride_until
+            if not self.available and time.monotonic() < self._next_probe and not riding:
+                self.skipped += 1
+                return default
+            try:
+                # The socket timeouts bound each read and connect; this bounds the whole call
+                # (name resolution, the retry) so nothing can hold a turn up for long.
+                result = await asyncio.wait_for(op(self._client), self.socket_timeout * 4)
+                break
+            except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
+                self._went_down(exc)
+                if wait and time.monotonic() < self._ride_until:
+                    await asyncio.sleep(OUTAGE_RETRY_S)
+                    continue
+                return default
+            except RedisError as exc:
+                self.errors += 1
+                log.warning("Redis %s failed: %s", what, exc)
+                return default
+        self._seen_up = True
         if not self.available:
             self.available = True
             log.warning(
@@ -322,6 +373,16 @@ class SessionStore:
             self.available = False
             self.outages += 1
             self._down_since = time.monotonic()
+            if self._seen_up and self.outage_wait_s > 0:
+                self._ride_until = self._down_since + self.outage_wait_s
+                log.warning(
+                    "Redis unreachable at %s (%s): session turns wait up to %.0f s for it to "
+                    "return; after that sessions will not reuse the prefix cache until it returns",
+                    redact(self.url),
+                    exc.__class__.__name__,
+                    self.outage_wait_s,
+                )
+                return
             log.warning(
                 "Redis unreachable at %s (%s): sessions will not reuse the prefix cache "
                 "until it returns",

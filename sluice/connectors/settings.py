@@ -19,10 +19,15 @@ ENV_KAFKA_PORT = "SLUICE_KAFKA_PORT"
 ENV_KAFKA_CONTROLLER_PORT = "SLUICE_KAFKA_CONTROLLER_PORT"
 ENV_KAFKA_VERSION = "SLUICE_KAFKA_VERSION"
 ENV_REDIS_PORT = "SLUICE_REDIS_PORT"
+ENV_REDIS_APPENDFSYNC = "SLUICE_REDIS_APPENDFSYNC"
 
 DEFAULT_KAFKA_PORT = 9092
 DEFAULT_KAFKA_CONTROLLER_PORT = 9093
 DEFAULT_REDIS_PORT = 6379
+# How often the local Redis syncs its append-only file: "everysec" (Redis' own default: a crash
+# loses at most the last second of session updates), "always" (nothing), or "off" (no file).
+DEFAULT_REDIS_APPENDFSYNC = "everysec"
+REDIS_APPENDFSYNC_CHOICES = ("always", "everysec", "off")
 # Newest Kafka release against which aiokafka's produce, consume, commit and transactions were
 # checked by tests/integration/test_kafka_broker.py.
 DEFAULT_KAFKA_VERSION = "4.4.0"
@@ -77,6 +82,9 @@ class StackSettings:
         default_factory=lambda: os.environ.get(ENV_KAFKA_VERSION) or DEFAULT_KAFKA_VERSION
     )
     redis_port: int = field(default_factory=lambda: _env_int(ENV_REDIS_PORT, DEFAULT_REDIS_PORT))
+    redis_appendfsync: str = field(
+        default_factory=lambda: os.environ.get(ENV_REDIS_APPENDFSYNC) or DEFAULT_REDIS_APPENDFSYNC
+    )
 
     @property
     def bootstrap_servers(self) -> str:

@@ -59,3 +59,41 @@ async def test_streamer_publishes_acks_and_drains_cleanly():
     assert producer.flushed
     assert [(e["type"], e["seq"]) for _, _, e in producer.sent] == [("token", 0), ("final", 1)]
     assert acks == ["token", "final"]
+
+
+class RecordingSessions:
+    """Stands in for the Redis store: what the streamer records of session turns."""
+
+    def __init__(self):
+        self.turns = []
+        self.available = True
+
+    async def record_turn(self, tenant, session_id, request_id, messages, token_ids, start, **_):
+        self.turns.append((session_id, request_id, token_ids))
+        return True
+
+
+async def test_a_final_published_before_is_not_sent_again_but_its_turn_is_recorded():
+    """Exactly-once, a request delivered again after its committed final: its events must not go
+    out twice, but its session turn (perhaps never recorded: the crash came first) and its
+    acknowledgement still have to happen, or the session's next turn would wait for it."""
+    producer, sessions = FakeProducer(), RecordingSessions()
+    streamer = StreamerActor(producer, "out", sessions)
+    acks = []
+    await streamer.start()
+    final = StepMessage(
+        request_id="r",
+        seq=1,
+        finished=True,
+        finish_reason="length",
+        full_text="Hi",
+        session_id="s",
+        session_messages=[{"role": "user", "content": "x"}],
+        session_token_ids=[1, 2, 5],
+        published=True,
+    )
+    await streamer.tell(Envelope(final, lambda: acks.append("final")))
+    await eventually(lambda: acks == ["final"])
+    assert await asyncio.wait_for(streamer.drain(), BOUND) == 0
+    assert producer.sent == []
+    assert sessions.turns == [("s", "r", [1, 2, 5])]

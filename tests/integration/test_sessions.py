@@ -254,3 +254,64 @@ async def test_one_turn_in_flight_per_session(redis_url):
             assert (await store.get("t", sid)).pending == "r-forced"
         finally:
             await store.delete("t", sid)
+
+
+async def test_a_turn_served_again_is_not_held_up_by_a_later_turn_that_ran_ahead(redis_url):
+    """After a crash, turn 1 (offset 5) is delivered again while the record still says turn 2
+    (offset 9, begun by the dead process) is pending: turn 2 comes again behind turn 1, so turn 1
+    must not wait for it (each would wait for the other)."""
+    async with SessionStore(redis_url) as store:
+        sid = f"s-{uuid.uuid4().hex[:8]}"
+        try:
+            assert await store.begin_turn("t", sid, "turn-2", position=("req", 3, 9))
+            assert not await store.begin_turn("t", sid, "turn-3", position=("req", 3, 12))
+            assert not await store.begin_turn("t", sid, "turn-x", position=("req", 1, 2))
+            assert not await store.begin_turn("t", sid, "turn-y")  # no position: it waits
+            assert await store.begin_turn("t", sid, "turn-1", position=("req", 3, 5))
+            rec = await store.get("t", sid)
+            assert rec.pending == "turn-1" and rec.pending_at == ("req", 3, 5)
+            assert not await store.begin_turn("t", sid, "turn-2", position=("req", 3, 9))
+            await store.record_turn("t", sid, "turn-1", turn_messages(("a", "b")), [1], (0, 0))
+            assert await store.begin_turn("t", sid, "turn-2", position=("req", 3, 9))
+        finally:
+            await store.delete("t", sid)
+
+
+async def test_a_turn_waits_out_a_short_outage_and_is_recorded(redis_url, caplog):
+    target = urlsplit(redis_url)
+    relay = Forwarder(target.hostname, target.port or 6379)
+    await relay.up()
+    url = f"redis://127.0.0.1:{relay.port}{target.path or '/0'}"
+    sid = f"s-{uuid.uuid4().hex[:8]}"
+    store = SessionStore(url, probe_interval=5, outage_wait_s=20)
+    try:
+        assert await store.check()
+        await relay.down()
+        with caplog.at_level(logging.WARNING, logger="sluice.connectors.sessions"):
+            answer = asyncio.ensure_future(
+                store.record_turn("t", sid, "turn-1", turn_messages(("a", "b")), [1, 2], (0, 0))
+            )
+            await asyncio.sleep(1.5)
+            assert not answer.done()  # waiting for Redis, not dropped
+            await relay.up()
+            assert await asyncio.wait_for(answer, 10)
+        assert "session turns wait up to 20 s" in caplog.text
+        assert (await store.get("t", sid)).turn_ids == ["turn-1"]
+    finally:
+        await store.delete("t", sid)
+        await store.close()
+        await relay.down()
+
+    # An outage longer than the wait: the turn goes on without Redis after outage_wait_s.
+    await relay.up()
+    store = SessionStore(url, probe_interval=5, outage_wait_s=0.6)
+    try:
+        assert await store.check()
+        await relay.down()
+        started = time.monotonic()
+        assert await store.history_for("t", sid, "turn-2") is None
+        assert 0.5 < time.monotonic() - started < 3
+        assert not store.available
+    finally:
+        await store.close()
+        await relay.down()
