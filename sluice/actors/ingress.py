@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from aiokafka.structs import ConsumerRecord, TopicPartition
 from pydantic import BaseModel, ValidationError
 
+from sluice.actors.answered import AnsweredInputs
 from sluice.actors.messages import Envelope
 from sluice.actors.metrics import Metrics
-from sluice.actors.progress import ProgressLog
 from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.transport import Sink
 from sluice.connectors.kafka_consumer import RequestConsumer
@@ -54,7 +54,7 @@ class Ingress:
         on_committed: Callable[[list[tuple[str, TopicPartition]]], Awaitable[None]] | None = None,
         reply_topics: ReplyTopics | None = None,
         commit_interval_s: float = COMMIT_INTERVAL_S,
-        answered: ProgressLog | None = None,
+        answered: AnsweredInputs | None = None,
     ):
         self.consumer = consumer
         self.producer = producer
@@ -86,7 +86,7 @@ class Ingress:
         origin = TopicPartition(record.topic, record.partition)
         if self.answered is not None and self.answered.answered(origin, record.offset):
             log.info(
-                "input at %s[%d]@%d was answered before (its error event is committed)",
+                "input at %s[%d]@%d was answered before (its answer is committed)",
                 record.topic,
                 record.partition,
                 record.offset,
@@ -118,7 +118,7 @@ class Ingress:
     async def _report_committed(self, committed: dict[TopicPartition, int]) -> None:
         """Tell `on_committed` which acknowledged requests a commit has now passed."""
         if committed and self.answered is not None:
-            await self.answered.forget_answered(committed)
+            await self.answered.forget(committed)
         if not self._acked or not committed or self.on_committed is None:
             return
         passed = [(rid, tp) for tp, offset, rid in self._acked if offset < committed.get(tp, -1)]
@@ -152,7 +152,7 @@ class Ingress:
         origin = TopicPartition(record.topic, record.partition)
         try:
             if self.answered is not None and isinstance(self.producer, PartitionTransactions):
-                marker = self.answered.mark_answered(origin, record.offset)
+                marker = self.answered.mark(origin, record.offset)
                 records = [*marker, (topic, key, encode(event))]
                 await (await self.producer.send_together(origin, records))[-1]
             else:

@@ -19,6 +19,7 @@ import signal
 import socket
 from dataclasses import dataclass, field
 
+from sluice.actors.answered import AnsweredInputs
 from sluice.actors.ingress import Ingress
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
@@ -105,6 +106,7 @@ class Pipeline:
         self.ingress: Ingress | None = None
         self.engine = None
         self.progress: ProgressLog | None = None
+        self.answered: AnsweredInputs | None = None
         self.reply_topics: ReplyTopics | None = None
         self._sinks: list[KafkaSink] = []
         self._stop = asyncio.Event()
@@ -169,6 +171,11 @@ class Pipeline:
             # What the requests in flight had published, before any of them is read again.
             self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.output))
             await self.progress.start()
+            if exactly_once:
+                # Requests answered by an error event alone are marked (in the progress topic):
+                # at least once an answer sent twice is allowed, and dropped by consumers.
+                self.answered = AnsweredInputs(self.progress.changelog)
+                await self.answered.start()
         if self.role in (None, "tokenizer"):
             self.reply_topics = ReplyTopics(
                 c.bootstrap_servers,
@@ -205,7 +212,7 @@ class Pipeline:
             on_committed=self.progress.forget if self.progress else None,
             reply_topics=self.reply_topics,
             commit_interval_s=interval / 1000,
-            answered=self._answered(),
+            answered=self.answered,
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()
@@ -229,6 +236,8 @@ class Pipeline:
             await self.output.assign(tps)
         if self.progress is not None:
             await self.progress.catch_up()
+        if self.answered is not None:
+            await self.answered.catch_up()
 
     async def _on_revoked(self, tps) -> None:
         if isinstance(self.output, PartitionTransactions):
@@ -244,11 +253,6 @@ class Pipeline:
         self.engine.fault_hook = fault_hook_from_env(self.engine.tokenizer)  # tests only
         return self.engine
 
-    def _answered(self) -> ProgressLog | None:
-        """Where inputs answered by an error event alone are marked: exactly-once only (at least
-        once, an answer sent twice is allowed, and dropped by consumers)."""
-        return self.progress if isinstance(self.output, PartitionTransactions) else None
-
     def _sink(self, topic: str, key) -> KafkaSink:
         sink = KafkaSink(self.producer, topic, key)
         self._sinks.append(sink)
@@ -261,7 +265,7 @@ class Pipeline:
             self.sessions,
             metrics=self.metrics,
             dlq_topic=self.config.topics.dlq,
-            answered=self._answered(),
+            answered=self.answered,
             capacity=max(1024, 4 * self.config.max_in_flight),
         )
 

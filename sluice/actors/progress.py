@@ -14,10 +14,6 @@ a client may have read. A request seen again then
 
 A record is deleted (tombstoned) once the input offset of its request is committed: from then on
 the request is never delivered again.
-
-With exactly-once delivery an input answered by an error event alone (bad input, a request
-rejected before the engine) leaves a marker under its input position, written in one piece with
-the event: delivered again before its offset is committed, it is not answered twice.
 """
 
 from __future__ import annotations
@@ -124,50 +120,15 @@ class ProgressLog:
         # Exactly-once: the records commit with the events they describe, so a record holds
         # exactly what a read_committed client can see (never more).
         self.transactional = changelog.transactional
-        self._markers: dict[TopicPartition, set[int]] = {}  # answered inputs' offsets
 
     async def start(self) -> None:
         await self.changelog.start()
-        self._index_markers()
 
     async def stop(self) -> None:
         await self.changelog.stop()
 
     async def catch_up(self) -> None:
         await self.changelog.catch_up()
-        self._index_markers()
-
-    # -- inputs answered by an error event alone (exactly-once) ---------------------------------
-
-    def answered(self, tp: TopicPartition, offset: int) -> bool:
-        """Whether the input at (tp, offset) was answered already, in a committed transaction."""
-        return self.changelog.get(_answered_key(tp, offset)) is not None
-
-    def mark_answered(self, tp: TopicPartition, offset: int) -> list[tuple[str, str, bytes | None]]:
-        """The marker of an input answered by an error event, as (topic, key, value) records to
-        write in one piece with that event."""
-        self._markers.setdefault(tp, set()).add(offset)
-        return self.changelog.stage({_answered_key(tp, offset): b"1"})
-
-    async def forget_answered(self, committed: dict[TopicPartition, int]) -> None:
-        """Tombstone the markers that committed offsets have passed (never delivered again)."""
-        for tp, offset in committed.items():
-            passed = sorted(o for o in self._markers.get(tp, ()) if o < offset)
-            if not passed:
-                continue
-            self._markers[tp].difference_update(passed)
-            try:
-                await self.changelog.delete(*(_answered_key(tp, o) for o in passed), origin=tp)
-            except Exception:  # noqa: BLE001 - a missed tombstone costs a stale record, no more
-                log.warning("tombstoning %d answered marker(s) failed", len(passed), exc_info=True)
-
-    def _index_markers(self) -> None:
-        self._markers = {}
-        for key in self.changelog.keys():
-            if key.startswith(ANSWERED + " "):
-                _, topic, partition, offset = key.split(" ")
-                tp = TopicPartition(topic, int(partition))
-                self._markers.setdefault(tp, set()).add(int(offset))
 
     def get(self, request: GenerateRequest) -> Progress | None:
         """The record of this request, if one is left from an earlier delivery."""
@@ -263,14 +224,6 @@ class ProgressLog:
                 await self.changelog.delete(*group, origin=origin)
             except Exception:  # noqa: BLE001 - a missed tombstone costs a stale record, no more
                 log.warning("tombstoning %d progress record(s) failed", len(group), exc_info=True)
-
-
-ANSWERED = "answered"
-
-
-def _answered_key(tp: TopicPartition, offset: int) -> str:
-    # Three spaces: no request id (no spaces) or token key (one space) has this form.
-    return f"{ANSWERED} {tp.topic} {tp.partition} {offset}"
 
 
 def _token_key(request_id: str, seq: int) -> str:

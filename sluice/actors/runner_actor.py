@@ -50,6 +50,13 @@ class _Tracked:
     expired: bool = False  # aborted at its deadline
     record: Progress | None = None  # what the progress log holds of it (with a progress log)
     origin: TopicPartition | None = None  # its input partition (see Envelope.origin)
+    also_ack: list[Ack] = field(default_factory=list)  # copies of it delivered while it ran
+
+    def ack_all(self) -> None:
+        """Acknowledge the request, and every copy of it that came meanwhile."""
+        self.ack()
+        for ack in self.also_ack:
+            ack()
 
 
 class RunnerActor(Actor):
@@ -100,7 +107,7 @@ class RunnerActor(Actor):
             if tracked.record is None:
                 self._tracked.pop(tracked.work.request.request_id, None)
                 failed = self._failed(tracked, RESTARTED)
-                await self.send_steps(Envelope(failed, tracked.ack, origin=tracked.origin))
+                await self.send_steps(Envelope(failed, tracked.ack_all, origin=tracked.origin))
             else:
                 record = tracked.record
                 self._worker.submit(Admission(tracked.work, record.seed, record.resume()))
@@ -126,7 +133,12 @@ class RunnerActor(Actor):
         request_id = work.request.request_id
         if request_id in self._tracked:
             # Redelivered while the first copy still runs (e.g. a rebalance): one copy is enough.
+            # The copy is acknowledged when the first copy ends, with it: never acknowledged, it
+            # would hold its partition's commits back for good; acknowledged now, its offset (the
+            # same record, when it came again after a rebalance) could be committed while the
+            # request still runs.
             log.warning("request %s is already running here; dropping the duplicate", request_id)
+            self._tracked[request_id].also_ack.append(envelope.ack)
             return
         record = self.progress.get(work.request) if self.progress is not None else None
         if record is not None:
@@ -237,7 +249,9 @@ class RunnerActor(Actor):
             writes = self.progress.stage(record)
         else:
             await self.progress.save([record])
-        await self.send_steps(Envelope(message, tracked.ack, origin=tracked.origin, writes=writes))
+        await self.send_steps(
+            Envelope(message, tracked.ack_all, origin=tracked.origin, writes=writes)
+        )
 
     def _failed(self, tracked: _Tracked, why: str) -> StepMessage:
         """A final with finish_reason "error" after what the request had published."""
@@ -358,7 +372,7 @@ class RunnerActor(Actor):
                 tracked.finals[out.index] = out
                 if len(tracked.finals) == tracked.work.request.n:
                     del self._tracked[out.request_id]
-                    messages.append((self._final_message(tracked), tracked.ack, tracked))
+                    messages.append((self._final_message(tracked), tracked.ack_all, tracked))
         return messages
 
     def _rejection(self, rejection: Rejection) -> list[tuple[StepMessage, Ack, _Tracked | None]]:
@@ -367,7 +381,7 @@ class RunnerActor(Actor):
             return []
         exc = rejection.error
         message = error_step(tracked.work.request, wire_code(exc), str(exc), exc.field)
-        return [(message.model_copy(update={"seq": tracked.seq}), tracked.ack, tracked)]
+        return [(message.model_copy(update={"seq": tracked.seq}), tracked.ack_all, tracked)]
 
     def _echo(self, tracked: _Tracked) -> dict:
         return self._echo_of(tracked.work)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from sluice.actors.answered import AnsweredInputs
 from sluice.actors.messages import Envelope, StepMessage, no_ack
 from sluice.actors.metrics import Metrics
-from sluice.actors.progress import ProgressLog
 from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionStore
@@ -37,7 +37,7 @@ class StreamerActor(Actor):
         *,
         metrics: Metrics | None = None,
         dlq_topic: str | None = None,
-        answered: ProgressLog | None = None,
+        answered: AnsweredInputs | None = None,
         name: str = "streamer",
         capacity: int = 1024,
     ):
@@ -47,7 +47,8 @@ class StreamerActor(Actor):
         self.sessions = sessions
         self.metrics = metrics
         self.dlq_topic = dlq_topic
-        self.answered = answered  # exactly-once: where inputs answered by an error are marked
+        # Exactly-once: where requests answered by an error event alone are marked.
+        self.answered = answered
         self._finishing: set[asyncio.Task] = set()
         self._token_deliveries: dict[str, list[asyncio.Future]] = {}  # request id -> unawaited
 
@@ -126,10 +127,10 @@ class StreamerActor(Actor):
         key = envelope.body.request_id
         writes = envelope.writes
         if envelope.body.error is not None and self.answered is not None:
-            # A request rejected before the engine: its error event is all it gets; marked
-            # answered with it, so that a delivery again after a crash does not answer it twice.
+            # A request rejected before the engine: its error event is all it gets; marked with
+            # it, so that the request delivered again after a crash is not answered twice.
             if envelope.origin is not None and envelope.offset is not None:
-                writes = [*writes, *self.answered.mark_answered(envelope.origin, envelope.offset)]
+                writes = [*writes, *self.answered.mark(envelope.origin, envelope.offset)]
         if not writes:
             return await self.producer.send(topic, key=key, value=value, origin=envelope.origin)
         assert isinstance(self.producer, PartitionTransactions)
@@ -168,7 +169,7 @@ class StreamerActor(Actor):
             return
         if message.session_id is not None and self.sessions is not None:
             if message.session_token_ids is not None:
-                await self.sessions.record_turn(
+                recorded = await self.sessions.record_turn(
                     message.tenant,
                     message.session_id,
                     message.request_id,
@@ -178,6 +179,13 @@ class StreamerActor(Actor):
                     owner=message.runner_id,
                     model=message.model,
                 )
+                if not recorded:
+                    log.warning(
+                        "turn %s of session %s not recorded (Redis unavailable): the session's "
+                        "next turn will not continue it",
+                        message.request_id,
+                        message.session_id,
+                    )
             else:  # it ended without an answer to remember: the next turn need not wait
                 await self.sessions.end_turn(message.tenant, message.session_id, message.request_id)
         envelope.ack()

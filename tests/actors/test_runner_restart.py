@@ -41,6 +41,9 @@ class MemoryChangelog:
     def get(self, key):
         return self.table.get(key)
 
+    def keys(self):
+        return list(self.table)
+
     async def put(self, records, origin=None):
         self.table.update(records)
 
@@ -142,3 +145,21 @@ async def test_without_a_progress_log_the_requests_held_end_with_an_error(engine
     finals = [m for m in sent if m.finished]
     assert {m.request_id for m in finals} == {"r0", "r1", "r2"}
     assert all(m.finish_reason == "error" and m.failure == RESTARTED for m in finals)
+
+
+async def test_a_copy_of_a_running_request_is_dropped_and_acknowledged(engine):
+    """Work delivered twice while its first copy runs (a rebalance of the work topic): it runs
+    once, and the copy is acknowledged too, or its offset would stop the partition's commits."""
+    sent, acked = [], []
+
+    async def sink(envelope: Envelope) -> None:
+        sent.append(envelope.body)
+        envelope.ack()
+
+    runner = RunnerActor(engine, sink, progress=ProgressLog(MemoryChangelog()))
+    await runner.start()
+    await runner.tell(Envelope(work(0), lambda: acked.append("first")))
+    await runner.tell(Envelope(work(0), lambda: acked.append("copy")))
+    await eventually(lambda: sorted(acked) == ["copy", "first"], BOUND * 3)
+    await runner.stop()
+    assert len([m for m in sent if m.finished]) == 1

@@ -64,7 +64,7 @@ def standalone_requests() -> list[dict]:
     return out
 
 
-def session_turns() -> list[dict]:
+def session_turns(tenant: str) -> list[dict]:
     """Three turns of each session, published together: each waits for the one before."""
     out = []
     for s, session in enumerate(SESSIONS):
@@ -73,7 +73,7 @@ def session_turns() -> list[dict]:
                 {
                     "request_id": f"{session}-t{t}",
                     "session_id": session,
-                    "tenant": TENANT,
+                    "tenant": tenant,
                     "messages": [{"role": "user", "content": question}],
                     "max_tokens": 16,
                     "ignore_eos": True,
@@ -139,15 +139,7 @@ async def test_chaos_kills_broker_and_redis_restarts_lose_and_change_nothing(
     bootstrap = settings.bootstrap_servers
     prefix = new_prefix()
     exactly_once = delivery == "exactly-once"
-    singles, turns = standalone_requests(), session_turns()
-    bodies = {b["request_id"]: b for b in [*singles, *turns]}
-    bad = malformed()
-    messages = [
-        request(rid, **{k: v for k, v in b.items() if k != "request_id"})
-        for rid, b in bodies.items()
-    ]
-    for i, (payload, _) in enumerate(bad):  # between the valid ones
-        messages.insert(3 * i + 1, (None, payload))
+    bodies, bad, messages = workload(TENANT)
     processes: list[PipelineProcess] = []
 
     def start(name: str) -> PipelineProcess:
@@ -185,24 +177,54 @@ async def test_chaos_kills_broker_and_redis_restarts_lose_and_change_nothing(
                     await sigkill(redis.pid())
                     await asyncio.sleep(2)
                     await asyncio.to_thread(redis.start)
-            streams = await watcher.wait_finals(
-                # (less than a turn's wait for its previous turn: a turn held up by a turn
-                # that never ends shows as a timeout)
-                set(bodies) | {rid for _, rid in bad if rid},
-                timeout=240,
-            )
-            await watcher.wait_for(
-                lambda s: len(s.dead_letters) >= sum(1 for _, rid in bad if rid is None),
-                60,
-                "the dead letters",
-            )
-        assert await committed_everything(bootstrap, f"{prefix}.requests", prefix)
+            streams = await every_answer(watcher, bodies, bad)
+        # (the last process may first wait for the killed one's partitions: a session timeout)
+        assert await committed_everything(bootstrap, f"{prefix}.requests", prefix, timeout=120)
         code = current.stop()
         assert code == 0, current.tail()
-        records = await session_records(settings.redis_url)
+        records = await session_records(settings.redis_url, TENANT)
     finally:
         for process in processes:
             process.kill()
+    assert_outcome(streams, bodies, bad, records, exactly_once, processes)
+
+
+def workload(tenant: str) -> tuple[dict[str, dict], list, list[tuple[bytes | None, bytes]]]:
+    """(valid requests by id, malformed messages, all of them as records in publish order)."""
+    bodies = {b["request_id"]: b for b in [*standalone_requests(), *session_turns(tenant)]}
+    bad = malformed()
+    messages: list[tuple[bytes | None, bytes]] = [
+        request(rid, **{k: v for k, v in b.items() if k != "request_id"})
+        for rid, b in bodies.items()
+    ]
+    for i, (payload, _) in enumerate(bad):  # between the valid ones
+        messages.insert(3 * i + 1, (None, payload))
+    return bodies, bad, messages
+
+
+async def every_answer(watcher: Watcher, bodies: dict, bad: list) -> Streams:
+    streams = await watcher.wait_finals(
+        # (less than a turn's wait for its previous turn: a turn held up by a turn that never
+        # ends shows as a timeout)
+        set(bodies) | {rid for _, rid in bad if rid},
+        timeout=240,
+    )
+    await watcher.wait_for(
+        lambda s: len(s.dead_letters) >= sum(1 for _, rid in bad if rid is None),
+        60,
+        "the dead letters",
+    )
+    return streams
+
+
+def assert_outcome(
+    streams: Streams,
+    bodies: dict,
+    bad: list,
+    records: dict[str, SessionRecord],
+    exactly_once: bool,
+    processes: list[PipelineProcess],
+) -> None:
     logs = "\n".join(p.tail(30) for p in processes)
     assert not any("served without it" in p.text() for p in processes), logs
 
@@ -242,12 +264,12 @@ async def test_chaos_kills_broker_and_redis_restarts_lose_and_change_nothing(
             assert after["usage"]["prompt_tokens"] > seen, (session, before["usage"], after)
 
 
-async def session_records(url: str) -> dict[str, SessionRecord]:
+async def session_records(url: str, tenant: str) -> dict[str, SessionRecord]:
     client = aioredis.Redis.from_url(url)
     try:
         out = {}
         for session in SESSIONS:
-            raw = await client.get(session_key(TENANT, session))
+            raw = await client.get(session_key(tenant, session))
             assert raw is not None, f"no record of session {session}"
             out[session] = SessionRecord.model_validate_json(raw)
         return out
