@@ -26,9 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -37,13 +35,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the tests' plain-client harness
 
-from pipeline_harness import PipelineProcess, Streams, Watcher, free_port, publish, request  # noqa: E402
+from pipeline_harness import (  # noqa: E402
+    PipelineProcess,
+    Streams,
+    Watcher,
+    private_stack,
+    publish,
+    request,
+    sigkill,
+)
 from test_fuzz_input import bad_message  # noqa: E402
 
 from sluice.connectors.kafka_broker import LocalKafka  # noqa: E402
-from sluice.connectors.processes import pid_alive  # noqa: E402
 from sluice.connectors.redis_server import LocalRedis  # noqa: E402
-from sluice.connectors.settings import StackSettings  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "chaos.json"
 SUBJECTS = ["the sea", "a robot", "coffee", "the moon", "trains", "cats", "rain", "music"]
@@ -112,32 +116,8 @@ def count_streams(streams: Streams, ids: list[str]) -> dict:
     }
 
 
-async def sigkill(pid: int | None) -> None:
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    for _ in range(400):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        if not pid_alive(pid):
-            return
-        await asyncio.sleep(0.05)
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 async def run_mode(args, delivery: str, home: Path) -> dict:
-    settings = StackSettings(
-        home=home / delivery,
-        kafka_port=free_port(),
-        kafka_controller_port=free_port(),
-        redis_port=free_port(),
-        redis_appendfsync="always",
-    )
+    settings = private_stack(home / delivery)
     kafka, redis = LocalKafka(settings), LocalRedis(settings)
     await asyncio.to_thread(kafka.start)
     await asyncio.to_thread(redis.start)
@@ -265,13 +245,13 @@ async def run_mode(args, delivery: str, home: Path) -> dict:
                 }
                 for i in range(args.burst)
             ]
-            before = rss_mib(current.pid)
+            before = current.proc_status("VmRSS") / 1024
             samples = [before]
             started = time.monotonic()
             await publish(bootstrap, f"{prefix}.requests", messages_of(burst))
             burst_ids = {b["request_id"] for b in burst}
             while not all(watcher.streams.finals(r) for r in burst_ids):
-                samples.append(rss_mib(current.pid))
+                samples.append(current.proc_status("VmRSS") / 1024)
                 if time.monotonic() - started > args.timeout:
                     break
                 await asyncio.sleep(0.25)

@@ -31,16 +31,18 @@ def _key(tp: TopicPartition, offset: int) -> str:
 
 class AnsweredInputs:
     def __init__(self, changelog: Changelog):
-        self.changelog = changelog  # started (read to its end) and stopped by its owner
+        self.changelog = changelog  # read (started, caught up) and stopped by its owner
         self._offsets: dict[TopicPartition, set[int]] = {}  # the markers this table holds
 
-    async def start(self) -> None:
-        self._index()
-
-    async def catch_up(self) -> None:
-        """Read what other members wrote (on an assignment: the partitions' earlier owners)."""
-        await self.changelog.catch_up()
-        self._index()
+    def reindex(self) -> None:
+        """Know the markers the changelog holds, after it was read (at start, and on each
+        assignment: what the partitions' earlier owners wrote)."""
+        self._offsets = {}
+        for key in self.changelog.keys():
+            if key.startswith(PREFIX + " "):
+                _, topic, partition, offset = key.split(" ")
+                tp = TopicPartition(topic, int(partition))
+                self._offsets.setdefault(tp, set()).add(int(offset))
 
     def answered(self, tp: TopicPartition, offset: int) -> bool:
         """Whether the input at (tp, offset) was answered in a committed transaction."""
@@ -63,11 +65,3 @@ class AnsweredInputs:
                 await self.changelog.delete(*(_key(tp, o) for o in passed), origin=tp)
             except Exception:  # noqa: BLE001 - a missed tombstone costs a stale record, no more
                 log.warning("tombstoning %d answered marker(s) failed", len(passed), exc_info=True)
-
-    def _index(self) -> None:
-        self._offsets = {}
-        for key in self.changelog.keys():
-            if key.startswith(PREFIX + " "):
-                _, topic, partition, offset = key.split(" ")
-                tp = TopicPartition(topic, int(partition))
-                self._offsets.setdefault(tp, set()).add(int(offset))

@@ -175,7 +175,7 @@ class Pipeline:
                 # Requests answered by an error event alone are marked (in the progress topic):
                 # at least once an answer sent twice is allowed, and dropped by consumers.
                 self.answered = AnsweredInputs(self.progress.changelog)
-                await self.answered.start()
+                self.answered.reindex()
         if self.role in (None, "tokenizer"):
             self.reply_topics = ReplyTopics(
                 c.bootstrap_servers,
@@ -236,8 +236,8 @@ class Pipeline:
             await self.output.assign(tps)
         if self.progress is not None:
             await self.progress.catch_up()
-        if self.answered is not None:
-            await self.answered.catch_up()
+        if self.answered is not None:  # (in the progress topic, just read)
+            self.answered.reindex()
 
     async def _on_revoked(self, tps) -> None:
         if isinstance(self.output, PartitionTransactions):

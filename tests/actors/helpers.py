@@ -57,3 +57,29 @@ class Recorder(Actor):
 
     def on_unprocessed(self, messages):
         self.left.extend(messages)
+
+
+def tiny_engine(path, max_position_embeddings: int):
+    """A real engine on a tiny random-weight Llama saved under `path` (seeded: the same weights
+    every time)."""
+    import torch
+    import transformers as tf
+
+    from sluice.engine import EngineConfig, LLMEngine
+    from sluice.engine.loader import load_model
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=max_position_embeddings,
+    )
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return LLMEngine(
+        config=EngineConfig(kv_cache_bytes=4 << 20, block_size=4),
+        loaded=load_model(path, load_tokenizer=False),
+    )

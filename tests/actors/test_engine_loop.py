@@ -7,38 +7,21 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from sluice.actors.conversation import remembered_turn
 from sluice.actors.engine_loop import Admission, EngineLoop
 from sluice.actors.errors import wire_code
 from sluice.actors.messages import TokenizedRequest
-from sluice.engine import EngineConfig, LLMEngine
-from sluice.engine.loader import load_model
+from sluice.engine import LLMEngine
 from sluice.schemas import GenerateRequest
 from sluice.schemas.events import ErrorCode
+
+from .helpers import tiny_engine
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> LLMEngine:
-    import transformers as tf
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=101,
-        max_position_embeddings=64,
-    )
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return LLMEngine(
-        config=EngineConfig(kv_cache_bytes=4 << 20, block_size=4),
-        loaded=load_model(path, load_tokenizer=False),
-    )
+    return tiny_engine(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=64)
 
 
 def work(request_id: str, prompt_len: int = 5, **fields) -> Admission:

@@ -8,17 +8,15 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from sluice.actors import engine_loop
 from sluice.actors.messages import Envelope, TokenizedRequest
 from sluice.actors.progress import ProgressLog
 from sluice.actors.runner_actor import RESTARTED, RunnerActor
-from sluice.engine import EngineConfig, LLMEngine, SamplingParams
-from sluice.engine.loader import load_model
+from sluice.engine import LLMEngine, SamplingParams
 from sluice.schemas import GenerateRequest
 
-from .helpers import BOUND, eventually
+from .helpers import BOUND, eventually, tiny_engine
 
 
 class MemoryChangelog:
@@ -54,24 +52,7 @@ class MemoryChangelog:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> LLMEngine:
-    import transformers as tf
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=101,
-        max_position_embeddings=128,
-    )
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    return LLMEngine(
-        config=EngineConfig(kv_cache_bytes=4 << 20, block_size=4),
-        loaded=load_model(path, load_tokenizer=False),
-    )
+    return tiny_engine(tmp_path_factory.mktemp("tiny-llama"), max_position_embeddings=128)
 
 
 def work(i: int) -> TokenizedRequest:

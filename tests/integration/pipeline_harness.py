@@ -4,6 +4,7 @@ plain aiokafka producer and consumer written here, not sluice's connectors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from sluice.connectors.processes import pid_alive
+from sluice.connectors.settings import StackSettings
 
 ENGINE_FLAGS = ["--kv-cache-mb", "256", "--max-num-batched-tokens", "512"]
 
@@ -263,6 +267,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def private_stack(home: Path) -> StackSettings:
+    """A broker and a Redis of one's own (to kill), on free ports, Redis syncing every write."""
+    return StackSettings(
+        home=home,
+        kafka_port=free_port(),
+        kafka_controller_port=free_port(),
+        redis_port=free_port(),
+        redis_appendfsync="always",
+    )
+
+
+async def sigkill(pid: int | None) -> None:
+    """SIGKILL, and wait until the process is gone (its ports free again)."""
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(200):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # a broker started from here is our child: reap it
+        if not pid_alive(pid):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pid {pid} survived SIGKILL")
 
 
 def scrape(port: int) -> dict[str, list]:

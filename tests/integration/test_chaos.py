@@ -12,10 +12,7 @@ of the one before. With exactly-once delivery a read_committed consumer sees eve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 
 import pytest
 import redis.asyncio as aioredis
@@ -24,18 +21,17 @@ from pipeline_harness import (
     Streams,
     Watcher,
     committed_everything,
-    free_port,
     new_prefix,
+    private_stack,
     publish,
     request,
+    sigkill,
 )
 from test_crash_resume import assert_exactly_once, assert_one_consistent_stream
 
 from sluice.connectors.kafka_broker import LocalKafka
-from sluice.connectors.processes import pid_alive
 from sluice.connectors.redis_server import LocalRedis
 from sluice.connectors.sessions import SessionRecord, session_key
-from sluice.connectors.settings import StackSettings
 
 pytestmark = pytest.mark.integration
 
@@ -101,13 +97,7 @@ def malformed() -> list[tuple[bytes, str | None]]:
 @pytest.fixture
 def own_stack(tmp_path):
     """A broker and a Redis for this test alone (it kills them), Redis syncing every write."""
-    settings = StackSettings(
-        home=tmp_path / "stack",
-        kafka_port=free_port(),
-        kafka_controller_port=free_port(),
-        redis_port=free_port(),
-        redis_appendfsync="always",
-    )
+    settings = private_stack(tmp_path / "stack")
     kafka, redis = LocalKafka(settings), LocalRedis(settings)
     kafka.start()
     redis.start()
@@ -116,19 +106,6 @@ def own_stack(tmp_path):
     finally:
         kafka.stop()
         redis.stop()
-
-
-async def sigkill(pid: int | None) -> None:
-    """SIGKILL, and wait until the process is gone (its ports free again)."""
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    for _ in range(200):
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)  # the broker is the test's child: reap it
-        if not pid_alive(pid):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"pid {pid} survived SIGKILL")
 
 
 @pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
