@@ -185,6 +185,9 @@ class EngineConfig:
     kernels: str = "auto"
     quantization: str | None = None  # None | "int8" (weight-only, per output channel)
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3, CUDA)
+    # Tokens that depend on the request alone, not on the batch, chunking, cache or threads
+    # (`kernel_ops.deterministic_ops`); CPU, unquantized weights and KV cache.
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -199,6 +202,17 @@ class EngineConfig:
                 f"choose one of {list(KV_CACHE_DTYPES)}",
                 field="kv_cache_dtype",
             )
+        if self.deterministic:
+            for name, value, plain in (
+                ("quantization", self.quantization, None),
+                ("kv_cache_dtype", self.kv_cache_dtype, "auto"),
+            ):
+                if value != plain:
+                    raise ConfigError(
+                        f"deterministic mode does not run with {name}={value!r} yet: its "
+                        "fixed-order kernels take float32 or bfloat16 weights and KV cache",
+                        field=name,
+                    )
 
     @property
     def kv_torch_dtype(self):

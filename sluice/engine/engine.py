@@ -89,12 +89,14 @@ class LLMEngine:
                 self.config, device="cuda" if torch.cuda.is_available() else "cpu"
             )
         started = time.monotonic()
+        self.ops = resolve_kernel_ops(
+            self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
+        )
         self.loaded = loaded or load_model(model)
         self.model_config: ModelConfig = self.loaded.config
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        self.ops = resolve_kernel_ops(self.config.kernels, torch.device(self.config.device).type)
         model_obj = build_model(
             self.model_config,
             self.loaded.tensors,
@@ -107,6 +109,7 @@ class LLMEngine:
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         num_blocks = num_kv_blocks(self.model_config, self.config)
         self.runner = ModelRunner(model_obj, self.model_config, self.config, num_blocks)
+        self.ops.check(self.runner.attention)
         self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
         self.sampler = Sampler(self.ops)
         eos = set(self.model_config.eos_token_ids)

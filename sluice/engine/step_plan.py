@@ -191,10 +191,11 @@ def decode_rows(plan: StepPlan) -> DecodeRows | None:
     )
 
 
-def prefill_rows(plan: StepPlan) -> PrefillRows | None:
-    """The step's prefill chunks for the CPU prefill kernel, or None if it has none."""
+def prefill_rows(plan: StepPlan, min_query_len: int = 2) -> PrefillRows | None:
+    """The step's prefill chunks for the CPU prefill kernel, or None if it has none; with
+    `min_query_len` 1, its decodes too, as chunks of one token."""
     qlens = plan.query_lens_host
-    chunks = np.flatnonzero(qlens > 1)
+    chunks = np.flatnonzero(qlens >= min_query_len)
     if not len(chunks):
         return None
     qsl = plan.query_starts_host()

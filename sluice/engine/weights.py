@@ -158,13 +158,15 @@ class Int8Embedding(nn.Module):
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear modules of a decoder layer
 
 
-def transform_weights(model: CausalLM, quantization: str | None) -> None:
+def transform_weights(model: CausalLM, quantization: str | None, pack: bool = True) -> None:
     """What the engine does to a built model: "int8" quantizes it (`quantize_int8`); None packs
-    its matmul weights for oneDNN where that is available (`pack_for_onednn`)."""
+    its matmul weights for oneDNN where that is available (`pack_for_onednn`) and `pack` is
+    set."""
     if quantization == "int8":
         quantize_int8(model)
     elif quantization is None:
-        pack_for_onednn(model)
+        if pack:
+            pack_for_onednn(model)
     else:
         raise ConfigError(f"unsupported quantization {quantization!r}", field="quantization")
 

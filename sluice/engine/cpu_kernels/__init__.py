@@ -28,7 +28,13 @@ import torch  # noqa: F401  (loaded first: the library then shares torch's OpenM
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_decode.c", "paged_prefill.c", "layer_ops.c", "kv_write.c")
+SOURCES = (
+    "paged_decode.c",
+    "paged_prefill.c",
+    "layer_ops.c",
+    "kv_write.c",
+    "fixed_order_linear.c",
+)
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
 FLAGS = (
@@ -233,6 +239,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ),
         "sluice_silu_and_mul": (None, [ptr, i64, ptr, i64, i32, i32, i32, i32]),
         "sluice_rotary": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32, i32]),
+        "sluice_fixed_order_linear": (i32, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -25,8 +25,8 @@
 #define TILE 16 /* query positions per work item */
 #define MAX_G 16
 
-/* One tile: query positions p0 .. p0+rows-1 of a chunk, KV head h, as R = TILE * G query rows
- * r = i * G + j (position p0 + i, query head h * G + j; rows past `rows` are zero padding).
+/* One tile: query positions p0 .. p0+rows-1 of a chunk, KV head h, as R (<= TILE * G) query rows
+ * r = i * G + j (position p0 + i, query head h * G + j; rows past `rows` * G are zero padding).
  * Scores are kept transposed, st[t][r] for the block's 16 keys, so every step of the online
  * softmax runs along the rows in vectors, and q . k needs no horizontal sums: the queries are
  * transposed once per tile (qt[d][r]) and each key element is broadcast against 16 rows.
@@ -40,7 +40,9 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int quantized = kind == CACHE_I8;
     const int d = 16 * nv;
     const int64_t block_elems = (int64_t)BLOCK * d;
-    const int R = TILE * g, nrv = g; /* rows, and rows in 16-wide vectors */
+    /* rows, padded to whole 16-wide vectors (a decode run as a chunk of one position then costs
+     * one vector of rows, not 16 * G); each row is a lane of its own, so padding changes no row */
+    const int R = (rows * g + 15) / 16 * 16, nrv = R / 16;
     float *qt = w, *st = qt + (size_t)d * R, *acc = st + (size_t)BLOCK * R;
     float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;
     int qpos[TILE * MAX_G];

@@ -7,6 +7,8 @@ implementation per family, and the resolver that picks the family for a device.
   native  `NativeOps`: the C kernels of `cpu_kernels` on the CPU, torch for the rest.
   triton  `TritonOps`: the Triton kernels of `kernels` on CUDA (on the CPU only in Triton's
           interpreter, to check them).
+  deterministic  `DeterministicOps`: the native family with every reduction in a fixed order
+          (`EngineConfig.deterministic`; CPU).
 
 `EngineConfig.kernels` ("auto" or a family's name) chooses. This module is the one place that
 tells the families apart by name; everything else calls the object it returns.
@@ -20,9 +22,9 @@ from .base import KernelOps, RopeTables
 KERNEL_CHOICES = ("auto", "torch", "triton", "native")
 
 
-def resolve_kernel_ops(choice: str, device_type: str) -> KernelOps:
-    """The family for a configured choice on a device type ("cpu", "cuda"); raises EngineError
-    naming why a forced family cannot run here."""
+def resolve_kernel_ops(choice: str, device_type: str, deterministic: bool = False) -> KernelOps:
+    """The family for a configured choice on a device type ("cpu", "cuda"), in deterministic
+    mode or not; raises ConfigError naming why a forced family cannot run here."""
     from ..kernels import interpreting, native_available, triton_available
 
     def fail(message: str) -> ConfigError:
@@ -30,6 +32,8 @@ def resolve_kernel_ops(choice: str, device_type: str) -> KernelOps:
 
     if choice not in KERNEL_CHOICES:
         raise fail(f"unknown kernels {choice!r}; choose one of {list(KERNEL_CHOICES)}")
+    if deterministic:
+        return _deterministic(choice, device_type)
     if choice == "auto":
         if device_type == "cuda":
             choice = "triton" if triton_available() else "torch"
@@ -61,6 +65,25 @@ def resolve_kernel_ops(choice: str, device_type: str) -> KernelOps:
     from .torch_ops import TorchOps
 
     return TorchOps()
+
+
+def _deterministic(choice: str, device_type: str) -> KernelOps:
+    from ..kernels import native_available
+
+    def fail(message: str, field: str = "deterministic") -> ConfigError:
+        return ConfigError(message, field=field)
+
+    if device_type != "cpu":
+        raise fail(f"deterministic mode runs on the CPU; not yet on {device_type}")
+    if choice not in ("auto", "native"):
+        raise fail(f"deterministic mode runs on the native kernels, not {choice!r}", "kernels")
+    if not native_available():
+        from ..cpu_kernels import unavailable_reason
+
+        raise fail(f"deterministic mode needs the native CPU kernels: {unavailable_reason()}")
+    from .deterministic_ops import DeterministicOps
+
+    return DeterministicOps()
 
 
 __all__ = ["KERNEL_CHOICES", "KernelOps", "RopeTables", "resolve_kernel_ops"]

@@ -34,6 +34,12 @@ RopeTables = tuple[
 
 class KernelOps(ABC):
     name: ClassVar[str]  # as `EngineConfig.kernels` names the family
+    takes_packed_weights: ClassVar[bool] = True  # `linear` may get weights packed for oneDNN
+
+    def check(self, spec: AttentionSpec) -> None:
+        """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back
+        to a slower path instead)."""
+        return None
 
     @abstractmethod
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:

@@ -181,3 +181,26 @@ def test_supports_the_vectorized_shapes_only():
     assert not supports(torch.zeros(3, 6, 64, dtype=torch.bfloat16), k16)  # a cache of another type
     assert not supports(torch.zeros(3, 6, 64), k16.bfloat16())
     assert supports(torch.zeros(3, 6, 64), k16.to(torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 21])
+def test_a_position_gets_the_same_bits_however_its_sequence_is_split(dtype, window):
+    """Deterministic mode relies on this: a query row is a lane of its own, keys past its position
+    add exact zeros, so a token computed in a whole prompt, in a later chunk, or alone as a decode
+    (a chunk of one) attends to the same bits."""
+    n = 90
+    q, k, v, table, starts, scale = build([n], [n], 3, 3, 64, seed=5, dtype=dtype)
+    first = int(starts[0])
+
+    def split(chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """Rows of positions 0..n-1 with the sequence cut into (q_len, seq_len) chunks."""
+        q_lens, seq_lens = [c[0] for c in chunks], [c[1] for c in chunks]
+        at = torch.tensor([first + s - m for m, s in chunks])
+        out = run(q, k, v, table.expand(len(chunks), -1), at, q_lens, seq_lens, scale, window)
+        return out[first : first + n]
+
+    whole = split([(n, n)])
+    assert not whole.isnan().any()
+    for chunks in ([(37, 37), (1, 38), (1, 39), (51, n)], [(1, p + 1) for p in range(n)]):
+        assert torch.equal(split(chunks), whole), chunks

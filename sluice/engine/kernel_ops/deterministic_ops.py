@@ -1,0 +1,118 @@
+"""The deterministic family (`EngineConfig.deterministic`): every reduction of a step in an order
+fixed by the request alone, so a sequence's logits are the same bits whatever else the step holds,
+however its prompt was split into chunks, whether its prefix came from the cache, and however many
+threads ran it.
+
+- matmuls: `fixed_order_linear` (each output element one dot product in one order; threads split
+  rows and columns, never K), on the weights as loaded (oneDNN's packed kernels choose their
+  blocking by shape, and change a row's bits with the rows beside it);
+- attention: every sequence, decodes too, through the prefill kernel, whose query rows are
+  independent lanes going over the keys in 16-key blocks in position order with an online
+  softmax; keys past a row's position are masked to exact no-ops, so a token attends the same
+  whether it is a decode, in a first prefill, a later chunk or after a prefix-cache hit (the
+  decode kernel's two-pass softmax would give other bits);
+- rotary: cos and sin from a table filled in fixed chunks of positions (torch computes a tensor's
+  last elements with scalar code and the rest with vector code, so the same position could
+  otherwise round differently in a step of another size);
+- RMSNorm, SiLU, the KV write: the native kernels, one row at a time already;
+- the sampler: torch's row-wise softmax, cumsum and top-k, one random word per row.
+
+The numerics still depend on the CPU's instruction set (16-lane vectors on any x86, but FMA and
+bfloat16 dot instructions where present): the same class of CPU gives the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..cpu_kernels import kv_write, paged_prefill
+from ..cpu_kernels.fixed_order_linear import fixed_order_linear
+from ..errors import ConfigError
+from ..paged_cache import LayerKVCache
+from ..rope import RotaryEmbedding
+from ..step_plan import AttentionSpec, StepPlan, prefill_rows
+from ..weights import Linear
+from .base import RopeTables
+from .native_ops import NativeOps, _c_attention
+
+ROPE_CHUNK = 128  # positions computed together; small enough that torch never splits the work
+
+
+class DeterministicOps(NativeOps):
+    name = "deterministic"
+    takes_packed_weights = False
+
+    def __init__(self) -> None:
+        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the rotary
+
+    def check(self, spec: AttentionSpec) -> None:
+        served, prefill_served = _c_attention(spec)
+        if not (served and prefill_served):
+            raise ConfigError(
+                "deterministic mode needs the native attention kernels, which serve block size "
+                f"16, head size 64 or 128 and up to 16 query heads per KV head; this model has "
+                f"head size {spec.head_dim}, {spec.num_heads // spec.num_kv_heads} query heads per "
+                f"KV head, block size {spec.block_size}",
+                field="deterministic",
+            )
+
+    def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
+        return replace(step, attention=spec, prefills=prefill_rows(step, min_query_len=1))
+
+    def write_kv(self, k, v, cache: LayerKVCache, plan: StepPlan) -> None:
+        kv_write.write_kv_native(
+            k, v, cache.k, cache.v, plan.slot_mapping, cache.k_scale, cache.v_scale
+        )
+
+    def attend(self, q, k, v, cache: LayerKVCache, plan: StepPlan, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        rows = plan.prefills
+        if rows is not None:
+            paged_prefill.paged_prefill_cpu(
+                q,
+                out,
+                rows.starts,
+                rows.q_lens,
+                rows.seq_lens,
+                cache.k,
+                cache.v,
+                rows.block_tables,
+                scale,
+                plan.sliding_window,
+                cache.k_scale,
+                cache.v_scale,
+            )
+        return out
+
+    def rotary_tables(self, rotary: RotaryEmbedding, positions, dtype) -> RopeTables:
+        cos, sin = self._table(rotary, int(positions.max()) + 1 if positions.numel() else 0)
+        return cos[positions], sin[positions]
+
+    def _table(self, rotary: RotaryEmbedding, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= length, D/2] float32, extended a chunk of positions at a time."""
+        parts = self._rope.get(id(rotary))
+        have = 0 if parts is None else parts[0].shape[0]
+        if parts is not None and have >= length:
+            return parts
+        parts_c, parts_s = ([parts[0]], [parts[1]]) if parts is not None else ([], [])
+        for start in range(have, length, ROPE_CHUNK):
+            c, s = rotary.cos_sin(torch.arange(start, start + ROPE_CHUNK), torch.float32)
+            parts_c.append(c.squeeze(1))
+            parts_s.append(s.squeeze(1))
+        table = torch.cat(parts_c), torch.cat(parts_s)
+        self._rope[id(rotary)] = table
+        return table
+
+    def linear(self, x, layer: nn.Module):
+        if not isinstance(layer, Linear):
+            raise ConfigError(
+                f"deterministic mode multiplies plain weights, not {type(layer).__name__}",
+                field="deterministic",
+            )
+        return fixed_order_linear(x.contiguous(), layer.weight, layer.bias)
+
+    def suggests_bfloat16(self) -> bool:
+        return False
