@@ -16,7 +16,7 @@ from aiokafka.structs import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.schemas import ErrorEvent, GenerateRequest
-from sluice.schemas.events import Timings, TokenLogprob, Usage
+from sluice.schemas.events import Provenance, Timings, TokenLogprob, Usage
 
 Ack = Callable[[], None]
 
@@ -58,6 +58,7 @@ class StepMessage(_Internal):
     full_text: str | None = None  # on the final message
     choices: list[dict] | None = None  # on the final message when n > 1
     seed: int | None = None  # on the final message: the request's seed (or the one it was given)
+    provenance: Provenance | None = None  # on the final message: what produced it
     # On a final delivered again whose events are committed already (exactly-once): publish
     # nothing, only finish the request (its session turn, its offset).
     published: bool = False

@@ -31,7 +31,7 @@ from sluice.actors.runtime import Actor, ThreadedWorker
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
-from sluice.schemas.events import Timings, TokenLogprob, TopLogprob, Usage
+from sluice.schemas.events import Provenance, Timings, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ class RunnerActor(Actor):
         self.max_queue = max_queue
         self.metrics = metrics
         self.model_id = engine.model_id.rsplit("/", 1)[-1]
+        provenance = getattr(engine, "provenance", None)  # test engines may have none
+        self.provenance = Provenance(**provenance.to_dict()) if provenance is not None else None
         self._tracked: dict[str, _Tracked] = {}
         self._readmit: list[_Tracked] = []  # after a restart, to admit again
         self._suspects: deque[Admission] = deque()  # waiting to be admitted alone
@@ -472,6 +474,7 @@ class RunnerActor(Actor):
             full_text=tracked.texts.get(0, ""),
             choices=choices,
             seed=first.seed,
+            provenance=self.provenance,
             failure=next((o.error for o in tracked.finals.values() if o.error), None),
             session_messages=session_messages,
             session_token_ids=session_ids,

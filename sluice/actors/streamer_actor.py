@@ -96,6 +96,7 @@ class StreamerActor(Actor):
                 text=message.full_text or "",
                 choices=[Choice(**c) for c in message.choices] if message.choices else None,
                 seed=message.seed,
+                provenance=message.provenance,
                 error=Failure(code=ErrorCode.INTERNAL, message=message.failure)
                 if message.failure
                 else None,

@@ -50,6 +50,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: fused Triton kernels on CUDA; on the CPU, native (decode attention in C, "
         "built at first use with the system compiler) else torch",
     )
+    group.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="tokens and logprobs that depend on the request and seed alone, not on the batch, "
+        "chunking, prefix cache or thread count (CPU; slower: docs/REPRODUCIBILITY.md)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -64,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         kernels=args.kernels,
+        deterministic=args.deterministic,
     )
 
 
@@ -115,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
         return 2
-    stream = JsonLines(args.prompts) if args.json else TerminalStream(args.prompts)
+    provenance = engine.provenance.to_dict()
+    stream = JsonLines(args.prompts, provenance) if args.json else TerminalStream(args.prompts)
     while engine.has_unfinished():
         for out in engine.step():
             stream.add(ids.index(out.request_id), out)
@@ -155,8 +163,9 @@ class TerminalStream:
 class JsonLines:
     """One JSON object per prompt, in the order given, each printed as soon as it can be."""
 
-    def __init__(self, prompts: list[str]):
+    def __init__(self, prompts: list[str], provenance: dict):
         self.prompts = prompts
+        self.provenance = provenance
         self.records: list[dict | None] = [None] * len(prompts)
         self.partial = [{"token_ids": [], "text": ""} for _ in prompts]
         self.next = 0
@@ -174,6 +183,7 @@ class JsonLines:
                 "seed": out.seed,
                 "usage": asdict(out.usage),
                 "timings": asdict(out.timings),
+                "provenance": self.provenance,
             }
         while self.next < len(self.prompts) and self.records[self.next] is not None:
             print(json.dumps(self.records[self.next], ensure_ascii=False), flush=True)

@@ -44,6 +44,7 @@ from sluice.engine.loader import LoadedModel, build_model, load_model
 from sluice.engine.memory import memory_report
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
 from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timings, Usage
+from sluice.engine.provenance import engine_provenance, weights_sha256
 from sluice.engine.sampler import Sampler, TokenLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
@@ -106,6 +107,7 @@ class LLMEngine:
             ops=self.ops,
             source=self.loaded.source,
         )
+        weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         num_blocks = num_kv_blocks(self.model_config, self.config)
         self.runner = ModelRunner(model_obj, self.model_config, self.config, num_blocks)
@@ -125,6 +127,7 @@ class LLMEngine:
         # Called with each batch before it runs (tests inject faults through it: `faults`).
         self.fault_hook: Callable[[ScheduledBatch], None] | None = None
         self.memory = memory_report(self.model_config, self.config, model_obj, self.runner)
+        self.provenance = engine_provenance(self, weights_hash)
         self._log_ready(time.monotonic() - started, num_blocks)
 
     @property
@@ -162,6 +165,23 @@ class LLMEngine:
             c.max_num_seqs,
             "on" if c.enable_prefix_caching else "off",
         )
+        p = self.provenance
+        log.info(
+            "provenance: weights sha256 %s, tokenizer sha256 %s, kernels %s, deterministic %s, "
+            "%s (%s), torch %s",
+            p.weights_sha256[:16],
+            (p.tokenizer_sha256 or "none")[:16],
+            p.kernels,
+            "on" if p.deterministic else "off",
+            p.device_name,
+            " ".join(p.cpu_features) or "no listed features",
+            p.torch_version,
+        )
+        if c.deterministic:
+            log.info(
+                "deterministic mode: fixed-order matmuls and attention; a request's tokens depend "
+                "on it and its seed alone (docs/REPRODUCIBILITY.md), at a cost in speed"
+            )
         if c.dtype == "float32" and self.ops.suggests_bfloat16():
             log.info(
                 "this CPU multiplies bfloat16 natively: --dtype bfloat16 "

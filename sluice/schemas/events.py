@@ -167,6 +167,45 @@ class Failure(_Wire):
     message: str
 
 
+class Provenance(_Wire):
+    """What produced the output: with the request and its seed, what a replay needs to match."""
+
+    model: str = Field(description="The model as the runner was given it (a path or file name).")
+    weights_sha256: str = Field(
+        description="sha256 of the weight files read: a GGUF file, or an HF directory's "
+        "*.safetensors files (each name, then its bytes, in name order)."
+    )
+    tokenizer_sha256: str | None = Field(
+        None, description="sha256 of the tokenizer's full definition (its tokenizer.json form)."
+    )
+    chat_template_sha256: str | None = None
+    sluice_version: str
+    git_commit: str | None = Field(
+        None, description="When sluice runs from a git checkout; '-dirty' with local changes."
+    )
+    torch_version: str
+    dtype: str = Field(description="The model dtype: float32 or bfloat16.")
+    quantization: str | None = None
+    kv_cache_dtype: str
+    kernels: str = Field(
+        description="The kernel family: native, torch, triton, or deterministic (native kernels "
+        "with every reduction in a fixed order)."
+    )
+    native_build: str | None = Field(
+        None, description="Compiler and flags of the native CPU kernels, where they run."
+    )
+    deterministic: bool = Field(
+        description="Tokens depend on the request and seed alone, not on the batch, chunking, "
+        "prefix cache or thread count (docs/REPRODUCIBILITY.md)."
+    )
+    device: str
+    device_name: str = Field(description="The CPU model, or the GPU and its compute capability.")
+    cpu_features: list[str] = Field(
+        default_factory=list,
+        description="The CPU's instruction-set features that choose kernels, and so rounding.",
+    )
+
+
 class FinalEvent(_Wire):
     """The last event of a served request."""
 
@@ -185,6 +224,9 @@ class FinalEvent(_Wire):
     choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
     seed: int | None = Field(
         None, description="The request's seed, or the one it was given: send it to replay it."
+    )
+    provenance: Provenance | None = Field(
+        None, description="What produced the output (`sluice replay` compares it)."
     )
     error: Failure | None = Field(
         None, description="Why it failed, when finish_reason is error (the tokens sent stay valid)."

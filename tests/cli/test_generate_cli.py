@@ -56,3 +56,13 @@ def test_bad_parameter_is_named_before_the_model_loads():
     assert result.returncode == 2
     assert "top_p" in result.stderr and "(0, 1]" in result.stderr
     assert "engine ready" not in result.stderr
+
+
+def test_deterministic_json_records_say_what_produced_them():
+    args = ["generate", "--json", "--deterministic", "--temperature", "1.0", "--seed", "5"]
+    result = sluice(*args, "--max-tokens", "6", "--kv-cache-mb", "64", "Name a colour.")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    provenance = record["provenance"]
+    assert provenance["deterministic"] is True and provenance["kernels"] == "deterministic"
+    assert len(provenance["weights_sha256"]) == 64 and record["seed"] == 5

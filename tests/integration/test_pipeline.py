@@ -74,6 +74,8 @@ async def test_fifty_requests_stream_complete_and_match_the_engine(
         assert text == finals[0]["text"]
         assert text == in_process_text(engine, body), rid
         assert finals[0]["usage"]["completion_tokens"] == sum(len(e["token_ids"]) for e in tokens)
+        # what produced it: the same model, software and settings as the engine here
+        assert engine.provenance.differences(finals[0]["provenance"]) == {}, rid
 
 
 async def test_bad_input_gets_named_errors_and_valid_requests_around_it_complete(

@@ -81,6 +81,13 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
+def build_description() -> str | None:
+    """The compiler and flags the loaded kernels were built with (they decide the numerics), or
+    None where the kernels are unavailable."""
+    library()
+    return _state.get("build")  # type: ignore[return-value]
+
+
 class _Unavailable(Exception):
     pass
 
@@ -144,6 +151,8 @@ def _load() -> ctypes.CDLL:
     except OSError as e:
         raise _Unavailable(f"could not load {target}: {e}") from e
     _declare(lib)
+    compiler = version.strip().splitlines()[0] if version.strip() else cc
+    _state["build"] = f"{compiler}; {' '.join(flags)}"
     return lib
 
 

@@ -1,0 +1,195 @@
+"""What produced an output, as every final event reports it: the weights, tokenizer and chat
+template by content hash, the software, and every setting and piece of hardware that decides the
+numerics. Two runs with equal provenance (and the same request and seed) are expected to give the
+same tokens in deterministic mode; `sluice replay` names the fields that differ when they do not.
+
+Computed once per engine (`engine_provenance`); hashing the weight files costs a read of them
+(about a tenth of a second for the default model)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+    from .tokenizer import Tokenizer
+
+# The CPU features that choose code paths, and so rounding, in torch and in our kernels.
+NUMERIC_CPU_FLAGS = (
+    "fma",
+    "f16c",
+    "avx",
+    "avx2",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    model: str  # the model as the engine was given it (a path or the default model's file)
+    weights_sha256: str  # of the weight files read (a GGUF file, or an HF directory's safetensors)
+    tokenizer_sha256: str | None  # of the tokenizer's full definition (vocabulary, merges, ...)
+    chat_template_sha256: str | None
+    sluice_version: str
+    git_commit: str | None  # when sluice runs from a checkout ("-dirty" with local changes)
+    torch_version: str
+    dtype: str
+    quantization: str | None
+    kv_cache_dtype: str
+    kernels: str  # the kernel family (`KernelOps.name`)
+    native_build: str | None  # compiler and flags of the native CPU kernels, where they run
+    deterministic: bool
+    device: str
+    device_name: str  # the CPU model, or the GPU's name and compute capability
+    cpu_features: tuple[str, ...]  # those of NUMERIC_CPU_FLAGS the CPU has
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["cpu_features"] = list(self.cpu_features)
+        return d
+
+    def differences(self, other: dict) -> dict[str, tuple[object, object]]:
+        """Fields whose values differ from `other` (a provenance as a dict, e.g. from a final
+        event): name -> (other's, this one's)."""
+        mine = self.to_dict()
+        return {
+            f.name: (other.get(f.name), mine[f.name])
+            for f in fields(self)
+            if other.get(f.name) != mine[f.name]
+        }
+
+
+def engine_provenance(engine: LLMEngine, weights_sha256: str) -> Provenance:
+    config = engine.config
+    device = torch.device(config.device)
+    native = engine.kernels in ("native", "deterministic")
+    return Provenance(
+        model=engine.model_id,
+        weights_sha256=weights_sha256,
+        tokenizer_sha256=tokenizer_sha256(engine.tokenizer),
+        chat_template_sha256=_sha256_text(engine.tokenizer.chat_template)
+        if engine.tokenizer is not None
+        else None,
+        sluice_version=_sluice_version(),
+        git_commit=_git_commit(),
+        torch_version=torch.__version__,
+        dtype=config.dtype,
+        quantization=config.quantization,
+        kv_cache_dtype=str(engine.config.kv_torch_dtype).removeprefix("torch."),
+        kernels=engine.kernels,
+        native_build=_native_build() if native else None,
+        deterministic=config.deterministic,
+        device=str(device),
+        device_name=_device_name(device),
+        cpu_features=cpu_features(),
+    )
+
+
+def weights_sha256(source: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the files the weights were read from: a file itself; for a directory, each
+    *.safetensors file's name and bytes in name order. Weights that came from no file (built in
+    memory) are hashed as their tensors, by name."""
+    path = Path(source)
+    digest = hashlib.sha256()
+    if path.is_file():
+        _hash_file(digest, path)
+    elif path.is_dir() and any(path.glob("*.safetensors")):
+        for f in sorted(path.glob("*.safetensors")):
+            digest.update(f.name.encode() + b"\0")
+            _hash_file(digest, f)
+    else:
+        for name in sorted(tensors):
+            t = tensors[name].detach().cpu().contiguous()
+            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def tokenizer_sha256(tokenizer: Tokenizer | None) -> str | None:
+    if tokenizer is None:
+        return None
+    return _sha256_text(tokenizer.backend.to_str())
+
+
+def cpu_features() -> tuple[str, ...]:
+    flags = set(_cpuinfo("flags").split())
+    return tuple(f for f in NUMERIC_CPU_FLAGS if f in flags)
+
+
+def _hash_file(digest, path: Path) -> None:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+
+
+def _sha256_text(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+def _cpuinfo(key: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index or 0
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"{torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def _sluice_version() -> str:
+    from sluice import __version__
+
+    return __version__
+
+
+@functools.cache
+def _git_commit() -> str | None:
+    """HEAD of the checkout sluice runs from, if it runs from one."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return None
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+        )
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _native_build() -> str | None:
+    from .cpu_kernels import build_description
+
+    return build_description()
