@@ -7,7 +7,7 @@ import logging
 import sys
 
 from sluice import __version__
-from sluice.cli import chat, demo, generate, produce, run, schema, stack, tail
+from sluice.cli import chat, demo, generate, produce, replay, run, schema, stack, tail
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sluice {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (stack, generate, run, produce, tail, chat, demo, schema):
+    for module in (stack, generate, run, produce, tail, chat, demo, replay, schema):
         module.register(sub)
     return parser
 

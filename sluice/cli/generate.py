@@ -122,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:
         print(f"sluice generate: {exc}", file=sys.stderr)
         return 2
-    provenance = engine.provenance.to_dict()
-    stream = JsonLines(args.prompts, provenance) if args.json else TerminalStream(args.prompts)
+    stream = (
+        JsonLines([wire_request(args, i) for i in range(len(args.prompts))], engine.provenance)
+        if args.json
+        else TerminalStream(args.prompts)
+    )
     while engine.has_unfinished():
         for out in engine.step():
             stream.add(ids.index(out.request_id), out)
@@ -160,14 +163,30 @@ class TerminalStream:
                 self._header(self.current)
 
 
-class JsonLines:
-    """One JSON object per prompt, in the order given, each printed as soon as it can be."""
+def wire_request(args: argparse.Namespace, i: int) -> dict:
+    """Prompt i as the request a client would publish for it (what `sluice replay` runs)."""
+    prompt = args.prompts[i]
+    body: dict = {"request_id": f"prompt-{i}"}
+    if args.chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    for name in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "ignore_eos"):
+        body[name] = getattr(args, name)
+    if args.seed is not None:
+        body["seed"] = args.seed
+    return body
 
-    def __init__(self, prompts: list[str], provenance: dict):
-        self.prompts = prompts
-        self.provenance = provenance
-        self.records: list[dict | None] = [None] * len(prompts)
-        self.partial = [{"token_ids": [], "text": ""} for _ in prompts]
+
+class JsonLines:
+    """One JSON object per prompt, in the order given, each printed as soon as it can be: its
+    tokens, text, seed, usage, timings, provenance, and the request it amounts to."""
+
+    def __init__(self, requests: list[dict], provenance):
+        self.requests = requests
+        self.provenance = provenance.to_dict()
+        self.records: list[dict | None] = [None] * len(requests)
+        self.partial = [{"token_ids": [], "text": ""} for _ in requests]
         self.next = 0
 
     def add(self, i: int, out) -> None:
@@ -175,8 +194,9 @@ class JsonLines:
         part["token_ids"] += out.new_token_ids
         part["text"] += out.text
         if out.finished:
+            request = self.requests[i]
             self.records[i] = {
-                "prompt": self.prompts[i],
+                "prompt": request.get("prompt") or request["messages"][-1]["content"],
                 "token_ids": part["token_ids"],
                 "text": part["text"],
                 "finish_reason": out.finish_reason,
@@ -184,7 +204,8 @@ class JsonLines:
                 "usage": asdict(out.usage),
                 "timings": asdict(out.timings),
                 "provenance": self.provenance,
+                "request": request,
             }
-        while self.next < len(self.prompts) and self.records[self.next] is not None:
+        while self.next < len(self.requests) and self.records[self.next] is not None:
             print(json.dumps(self.records[self.next], ensure_ascii=False), flush=True)
             self.next += 1

@@ -1,0 +1,348 @@
+"""`sluice replay`: generate a served request again and say whether it came out the same.
+
+What was served comes from a file of JSON lines, either the events of the request as read from its
+token stream (`sluice tail REQUEST_ID --json > events.jsonl`) or a record of `sluice generate
+--json`; or straight from Kafka (`--request-id` without a file: its events from PREFIX.tokens or
+`--topic`, and the request itself from PREFIX.requests unless `--request` gives it). The request is
+run alone with the seed its final event reports, on an engine set up as the recorded provenance
+says (dtype, deterministic mode, quantization, KV cache type; the recorded model file when it
+exists here, else `--model` or the default model). The report says "identical", or the first
+position where the tokens (or logprobs, when they were recorded) differ, and which provenance
+fields differ from this engine's.
+
+Exit status: 0 identical, 1 different, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sluice.cli.client import (
+    ClientError,
+    EventStream,
+    Topics,
+    add_kafka_arguments,
+    bootstrap_from_args,
+    follow,
+    quiet_logging,
+    validate,
+)
+from sluice.schemas import FinalEvent, GenerateRequest, TokenEvent
+from sluice.schemas.events import LOGPROB_FLOOR
+
+EXIT_IDENTICAL, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
+KV_CACHE_DTYPES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # provenance name -> setting
+
+
+@dataclass
+class Served:
+    """What a request produced, as recorded."""
+
+    request: GenerateRequest
+    seed: int
+    token_ids: dict[int, list[int]]  # per completion
+    logprobs: dict[int, list[float]] = field(default_factory=dict)  # where they were recorded
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    identical: bool
+    tokens: int  # compared, over all completions
+    first_difference: dict[str, Any] | None
+    provenance_differences: dict[str, tuple[Any, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "identical": self.identical,
+            "tokens": self.tokens,
+            "first_difference": self.first_difference,
+            "provenance_differences": {
+                k: {"recorded": a, "here": b} for k, (a, b) in self.provenance_differences.items()
+            },
+        }
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="generate a served request again and report whether it came out the same",
+        description=__doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "events",
+        nargs="?",
+        help="JSON lines: the request's events (sluice tail --json) or a sluice generate --json "
+        "record; without it, read them from Kafka (needs --request-id)",
+    )
+    parser.add_argument("--request-id", help="which request (needed when the source holds several)")
+    parser.add_argument("--request", help="the original request as a JSON file")
+    parser.add_argument("--topic", help="read the events from this topic instead of PREFIX.tokens")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to look on Kafka")
+    parser.add_argument("--model", help="run this model instead of the recorded one")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--kv-cache-mb", type=int, default=256)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_kafka_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    quiet_logging(args)
+    try:
+        if args.events is not None:
+            served = served_from_lines(_read_lines(args.events), args.request_id, _request(args))
+        elif args.request_id is None:
+            raise ClientError("give a file of events, or --request-id to read them from Kafka")
+        else:
+            served = asyncio.run(_from_kafka(args))
+    except ClientError as exc:
+        print(f"sluice replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    report = replay(served, args.model, args.device, args.kv_cache_mb << 20)
+    print(json.dumps(report.to_dict()) if args.json else describe(served, report))
+    return EXIT_IDENTICAL if report.identical else EXIT_DIFFERENT
+
+
+def _read_lines(path: str) -> list[dict]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ClientError(f"cannot read {path}: {exc}") from exc
+    lines = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ClientError(f"{path}:{n}: not JSON: {exc}") from exc
+    return lines
+
+
+def _request(args: argparse.Namespace) -> GenerateRequest | None:
+    if args.request is None:
+        return None
+    try:
+        return validate(Path(args.request).read_bytes())
+    except OSError as exc:
+        raise ClientError(f"cannot read {args.request}: {exc}") from exc
+
+
+def served_from_lines(
+    lines: list[dict], request_id: str | None, request: GenerateRequest | None
+) -> Served:
+    """The served request in `lines`: events of a token stream, or `sluice generate --json`
+    records (which carry their request)."""
+    if any("type" not in line for line in lines):
+        return _from_generate_records(lines, request_id, request)
+    events = [line for line in lines if request_id is None or line.get("request_id") == request_id]
+    ids = {e.get("request_id") for e in events}
+    if len(ids) != 1:
+        raise ClientError(
+            f"the events name {len(ids)} requests: give --request-id"
+            if ids
+            else f"no events of request {request_id!r}"
+        )
+    if request is None:
+        raise ClientError("events alone do not say what was asked: give --request FILE")
+    return _from_events(events, request)
+
+
+def _from_generate_records(
+    lines: list[dict], request_id: str | None, request: GenerateRequest | None
+) -> Served:
+    def named(record: dict) -> bool:
+        return request_id is None or record.get("request", {}).get("request_id") == request_id
+
+    records = [r for r in lines if named(r)]
+    if len(records) != 1:
+        raise ClientError(f"{len(records)} matching records: give --request-id (prompt-N)")
+    record = records[0]
+    if request is None:
+        if "request" not in record:
+            raise ClientError("the record does not carry its request: give --request FILE")
+        request = validate(json.dumps(record["request"]))
+    return Served(
+        request=request,
+        seed=int(record["seed"]),
+        token_ids={0: list(record["token_ids"])},
+        provenance=record.get("provenance") or {},
+    )
+
+
+def _from_events(events: list[dict], request: GenerateRequest) -> Served:
+    finals = [e for e in events if e.get("type") == "final"]
+    if not finals:
+        errors = [e for e in events if e.get("type") == "error"]
+        what = f"an error ({errors[0].get('code')})" if errors else "no final event"
+        raise ClientError(f"request {request.request_id} has {what}: nothing to replay")
+    final = FinalEvent.model_validate(finals[0])
+    if final.seed is None:
+        raise ClientError("the final event carries no seed: it cannot be replayed")
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}
+    seen: set[int] = set()
+    for raw in sorted((e for e in events if e.get("type") == "token"), key=lambda e: e["seq"]):
+        event = TokenEvent.model_validate(raw)
+        if event.seq in seen:
+            continue  # a copy (at-least-once delivery)
+        seen.add(event.seq)
+        tokens.setdefault(event.index, []).extend(event.token_ids)
+        if event.logprobs is not None:
+            logprobs.setdefault(event.index, []).extend(lp.logprob for lp in event.logprobs)
+    return Served(
+        request=request,
+        seed=final.seed,
+        token_ids=tokens,
+        logprobs=logprobs,
+        provenance=final.provenance.model_dump() if final.provenance else {},
+    )
+
+
+async def _from_kafka(args: argparse.Namespace) -> Served:
+    topics = Topics.from_args(args)
+    rid = args.request_id
+    async with EventStream(bootstrap_from_args(args), [args.topic or topics.tokens], [rid]) as s:
+        await s.seek("beginning")
+        events: list[dict] = []
+        missing = await follow(s, lambda r: events.append(r.raw), [rid], timeout=args.timeout)
+    if missing:
+        raise ClientError(f"no final event of {rid} within {args.timeout:.0f} s")
+    request = _request(args) or await _find_request(args, topics.requests, rid)
+    return _from_events(events, request)
+
+
+async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -> GenerateRequest:
+    """The request `request_id` as published on `topic` (read from the beginning to the end)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from sluice.schemas import RequestRejected, decode_request
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_from_args(args), group_id=None, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        if not parts:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+            for records in (await consumer.getmany(timeout_ms=1000)).values():
+                for record in records:
+                    try:
+                        request = decode_request(record.value or b"")
+                    except RequestRejected:
+                        continue
+                    if request.request_id == request_id:
+                        return request
+    finally:
+        await consumer.stop()
+    raise ClientError(f"request {request_id} is not on {topic}: give --request FILE")
+
+
+def replay(served: Served, model: str | None, device: str, kv_cache_bytes: int) -> Report:
+    from sluice.actors.conversation import build_prompt
+    from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+
+    request = served.request
+    if request.session_id is not None:
+        raise ClientError(
+            "a session turn's prompt holds its conversation so far, which replay cannot rebuild"
+        )
+    recorded = served.provenance
+    dtype = recorded.get("dtype", "float32")
+    kv = recorded.get("kv_cache_dtype", dtype)
+    config = EngineConfig(
+        dtype=dtype,
+        device=device,
+        kv_cache_bytes=kv_cache_bytes,
+        deterministic=bool(recorded.get("deterministic", False)),
+        quantization=recorded.get("quantization"),
+        kv_cache_dtype=KV_CACHE_DTYPES.get(kv, "auto"),
+    )
+    recorded_model = recorded.get("model")
+    if model is None and recorded_model and Path(recorded_model).exists():
+        model = recorded_model
+    engine = LLMEngine(model, config)
+    prompt = build_prompt(engine.tokenizer, request)
+    params = SamplingParams(**{**request.sampling_kwargs(), "seed": served.seed})
+    engine.add_request(request.request_id, params=params, prompt_token_ids=prompt.token_ids)
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
+            logprobs.setdefault(out.index, []).extend(
+                max(LOGPROB_FLOOR, lp.logprob) for lp in out.logprobs
+            )
+    identical, compared, first = _compare(served, tokens, logprobs)
+    return Report(identical, compared, first, engine.provenance.differences(recorded))
+
+
+def _compare(
+    served: Served, tokens: dict[int, list[int]], logprobs: dict[int, list[float]]
+) -> tuple[bool, int, dict[str, Any] | None]:
+    compared = 0
+    for index in sorted(set(served.token_ids) | set(tokens)):
+        want, got = served.token_ids.get(index, []), tokens.get(index, [])
+        want_lp, got_lp = served.logprobs.get(index), logprobs.get(index, [])
+        for pos in range(max(len(want), len(got))):
+            a = want[pos] if pos < len(want) else None
+            b = got[pos] if pos < len(got) else None
+            if a != b:
+                return False, compared, {"index": index, "position": pos, "recorded": a, "here": b}
+            if want_lp is not None and pos < len(want_lp) and want_lp[pos] != got_lp[pos]:
+                return (
+                    False,
+                    compared,
+                    {
+                        "index": index,
+                        "position": pos,
+                        "token_id": a,
+                        "recorded_logprob": want_lp[pos],
+                        "here_logprob": got_lp[pos],
+                    },
+                )
+            compared += 1
+    return True, compared, None
+
+
+def describe(served: Served, report: Report) -> str:
+    lines = []
+    with_lp = " and logprobs" if served.logprobs else ""
+    if report.identical:
+        lines.append(f"identical: {report.tokens} tokens{with_lp} of {served.request.request_id}")
+    else:
+        d = report.first_difference or {}
+        where = f"completion {d.get('index')}, token {d.get('position')}"
+        if "recorded_logprob" in d:
+            lines.append(
+                f"differs at {where}: same token {d['token_id']}, logprob "
+                f"{d['recorded_logprob']!r} recorded, {d['here_logprob']!r} here"
+            )
+        else:
+            lines.append(
+                f"differs at {where}: token {d.get('recorded')} recorded, {d.get('here')} here "
+                f"(the {report.tokens} before it are identical)"
+            )
+    if report.provenance_differences:
+        lines.append("provenance differs from this engine's:")
+        for name, (a, b) in sorted(report.provenance_differences.items()):
+            lines.append(f"  {name}: {a!r} recorded, {b!r} here")
+    elif served.provenance:
+        lines.append("provenance: the same as this engine's")
+    else:
+        lines.append("provenance: none recorded")
+    return "\n".join(lines)
