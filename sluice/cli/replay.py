@@ -230,15 +230,13 @@ async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -
     )
     await consumer.start()
     try:
-        parts = consumer.partitions_for_topic(topic) or set()
-        if not parts:
-            await consumer._client.force_metadata_update()
-            parts = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        cluster = await consumer._client.fetch_all_metadata()  # not subscribed: ask the broker
+        tps = [TopicPartition(topic, p) for p in sorted(cluster.partitions_for_topic(topic) or ())]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         ends = await consumer.end_offsets(tps)
-        while any(await consumer.position(tp) < ends[tp] for tp in tps):
+        left = {tp for tp in tps if ends[tp] > 0}
+        while left:
             for records in (await consumer.getmany(timeout_ms=1000)).values():
                 for record in records:
                     try:
@@ -247,6 +245,9 @@ async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -
                         continue
                     if request.request_id == request_id:
                         return request
+            for tp in list(left):
+                if await consumer.position(tp) >= ends[tp]:
+                    left.discard(tp)
     finally:
         await consumer.stop()
     raise ClientError(f"request {request_id} is not on {topic}: give --request FILE")
