@@ -4,6 +4,7 @@ them, applied to a built model (`transform_weights`).
 - `Linear`: a [N, K] weight (and bias) in the model dtype, as loaded;
 - `PackedLinear`: the same weight reordered once into oneDNN's blocked layout (CPU);
 - `Int8Linear`: weight-only int8, codes per output channel with float32 scales;
+- `FixedOrderLinear`: the weight packed for deterministic mode's fixed-order matmul (CPU);
 - `Embedding`, `Int8Embedding`: the token table, plain or as int8 rows with scales (one int8 copy
   serves a tied LM head too).
 
@@ -127,6 +128,30 @@ class Int8Linear(nn.Module):
         return int8_linear_torch(x, self.qweight, self.scale, self.bias)
 
 
+class FixedOrderLinear(nn.Module):
+    """A weight packed for `cpu_kernels.fixed_order_linear`: every output element summed in one
+    order, whatever the rows in the call (deterministic mode)."""
+
+    bias: nn.Parameter | None
+
+    def __init__(self, packed, bias: nn.Parameter | None):
+        super().__init__()
+        self.packed = packed  # a FixedOrderWeight
+        self.register_buffer("data", packed.data, persistent=False)  # counted with the weights
+        self.bias = bias
+
+    @classmethod
+    def pack(cls, linear: Linear) -> FixedOrderLinear:
+        from .cpu_kernels.fixed_order_linear import pack_fixed_order
+
+        return cls(pack_fixed_order(linear.weight.data), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .cpu_kernels.fixed_order_linear import fixed_order_linear
+
+        return fixed_order_linear(x.contiguous(), self.packed, self.bias)
+
+
 class Embedding(nn.Module):
     weight: nn.Parameter
 
@@ -158,14 +183,21 @@ class Int8Embedding(nn.Module):
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear modules of a decoder layer
 
 
-def transform_weights(model: CausalLM, quantization: str | None, pack: bool = True) -> None:
+WEIGHT_LAYOUTS = ("onednn", "fixed-order")  # what `KernelOps.weight_layout` may ask for
+
+
+def transform_weights(model: CausalLM, quantization: str | None, layout: str = "onednn") -> None:
     """What the engine does to a built model: "int8" quantizes it (`quantize_int8`); None packs
-    its matmul weights for oneDNN where that is available (`pack_for_onednn`) and `pack` is
-    set."""
+    its matmul weights in the layout its kernels read: for oneDNN where that is available
+    (`pack_for_onednn`), or for the fixed-order matmul (`pack_for_fixed_order`)."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r}")
     if quantization == "int8":
         quantize_int8(model)
     elif quantization is None:
-        if pack:
+        if layout == "fixed-order":
+            pack_for_fixed_order(model)
+        else:
             pack_for_onednn(model)
     else:
         raise ConfigError(f"unsupported quantization {quantization!r}", field="quantization")
@@ -192,6 +224,17 @@ def quantize_int8(model: CausalLM) -> None:
     model.embed_tokens = Int8Embedding(q, scale, embed.weight.dtype)
     tied = head.weight is embed.weight
     model.lm_head = Int8Linear(q, scale, None) if tied else Int8Linear.quantize(head)
+
+
+def pack_for_fixed_order(model: CausalLM) -> None:
+    """Every matmul weight packed for the fixed-order matmul; a tied LM head gets a packed copy
+    of its own (the embedding lookup needs the plain matrix)."""
+    if not isinstance(model.lm_head, Linear):
+        raise RuntimeError(f"cannot pack a {type(model.lm_head).__name__} for the fixed order")
+    for layer in _layers(model):
+        for name in PROJECTIONS:
+            setattr(layer, name, FixedOrderLinear.pack(getattr(layer, name)))
+    model.lm_head = FixedOrderLinear.pack(model.lm_head)
 
 
 def pack_for_onednn(model: CausalLM) -> bool:

@@ -249,6 +249,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_silu_and_mul": (None, [ptr, i64, ptr, i64, i32, i32, i32, i32]),
         "sluice_rotary": (None, [ptr, i64, i32, ptr, i64, i32, i32, ptr, ptr, i32, i32, i32]),
         "sluice_fixed_order_linear": (i32, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]),
+        "sluice_fixed_order_packed_bytes": (i64, [i64, i64, i32]),
+        "sluice_fixed_order_pack": (None, [ptr, i64, i64, i32, ptr]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

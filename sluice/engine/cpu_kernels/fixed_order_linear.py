@@ -1,8 +1,14 @@
 """x @ W.T (+ bias) with each output element summed in one fixed order (`fixed_order_linear.c`):
 a row's result is the same bits whatever rows share the call and however many threads run it.
-Deterministic mode's matmul; float32 or bfloat16 on the CPU."""
+Deterministic mode's matmul; float32 or bfloat16 on the CPU, on a weight packed once for it.
+
+    packed = pack_fixed_order(weight)          # [N, K] -> panels of 32 columns, K-major
+    y = fixed_order_linear(x, packed, bias)
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -11,45 +17,69 @@ from . import require_library
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class FixedOrderWeight:
+    """A [N, K] weight packed for `fixed_order_linear` (the layout is the C kernel's)."""
+
+    data: torch.Tensor  # uint8, the packed panels
+    n: int
+    k: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def pack_fixed_order(weight: torch.Tensor) -> FixedOrderWeight:
+    if weight.dtype not in DTYPES or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(
+            f"a float32 or bfloat16 [N, K] CPU matrix expected, got {tuple(weight.shape)} "
+            f"{weight.dtype} on {weight.device}"
+        )
+    n, k = weight.shape
+    if k < 1:
+        raise ValueError("K must be at least 1")
+    bf16 = int(weight.dtype == torch.bfloat16)
+    lib = require_library()
+    data = torch.empty(lib.sluice_fixed_order_packed_bytes(n, k, bf16), dtype=torch.uint8)
+    w = weight.detach().contiguous()
+    lib.sluice_fixed_order_pack(w.data_ptr(), n, k, bf16, data.data_ptr())
+    return FixedOrderWeight(data, n, k, weight.dtype)
+
+
 def fixed_order_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: FixedOrderWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N], all of one type (float32 or
-    bfloat16)."""
-    if x.dtype not in DTYPES:
-        raise ValueError(f"float32 or bfloat16 expected, got {x.dtype}")
-    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
+    """x [M, K] @ W.T (+ bias [N]) -> [M, N], all of the weight's type."""
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but the weight is {weight.dtype}")
+    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.shape[1] != weight.k:
         raise ValueError(
-            f"x: a CPU matrix with contiguous rows expected, got {tuple(x.shape)} "
-            f"strides {x.stride()} on {x.device}"
+            f"x: a CPU matrix of {weight.k} columns, contiguous rows, expected; got "
+            f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
         )
-    m, k = x.shape
-    if weight.dtype != x.dtype or weight.dim() != 2 or weight.shape[1] != k:
-        raise ValueError(
-            f"weight: a {x.dtype} [N, {k}] matrix expected, got {tuple(weight.shape)} "
-            f"{weight.dtype}"
-        )
-    n = weight.shape[0]
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,)):
-        raise ValueError(f"bias: a {x.dtype} vector of {n} expected")
-    weight = weight.contiguous()
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (weight.n,)):
+        raise ValueError(f"bias: a {x.dtype} vector of {weight.n} expected")
     bias = None if bias is None else bias.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype)
-    if m == 0 or n == 0:
+    m = x.shape[0]
+    out = torch.empty(m, weight.n, dtype=x.dtype)
+    if m == 0 or weight.n == 0:
         return out
     rc = require_library().sluice_fixed_order_linear(
         x.data_ptr(),
         x.stride(0),
-        weight.data_ptr(),
+        weight.data.data_ptr(),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         out.stride(0),
         m,
-        n,
-        k,
+        weight.n,
+        weight.k,
         int(x.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"fixed_order_linear does not take the shapes {tuple(x.shape)} x {(n, k)}")
+        shapes = f"{tuple(x.shape)} x {(weight.n, weight.k)}"
+        raise ValueError(f"fixed_order_linear does not take {shapes}")
     return out

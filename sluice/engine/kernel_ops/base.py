@@ -34,7 +34,8 @@ RopeTables = tuple[
 
 class KernelOps(ABC):
     name: ClassVar[str]  # as `EngineConfig.kernels` names the family
-    takes_packed_weights: ClassVar[bool] = True  # `linear` may get weights packed for oneDNN
+    # The layout `weights.transform_weights` packs unquantized weights in for this family
+    weight_layout: ClassVar[str] = "onednn"
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back

@@ -3,9 +3,9 @@ fixed by the request alone, so a sequence's logits are the same bits whatever el
 however its prompt was split into chunks, whether its prefix came from the cache, and however many
 threads ran it.
 
-- matmuls: `fixed_order_linear` (each output element one dot product in one order; threads split
-  rows and columns, never K), on the weights as loaded (oneDNN's packed kernels choose their
-  blocking by shape, and change a row's bits with the rows beside it);
+- matmuls: `fixed_order_linear` (each output element one running sum over K in order; threads
+  split rows and columns, never K), on weights packed for it at load (oneDNN's kernels choose
+  their blocking by shape, and change a row's bits with the rows beside it);
 - attention: every sequence, decodes too, through the prefill kernel, whose query rows are
   independent lanes going over the keys in 16-key blocks in position order with an online
   softmax; keys past a row's position are masked to exact no-ops, so a token attends the same
@@ -29,12 +29,11 @@ import torch
 from torch import nn
 
 from ..cpu_kernels import kv_write, paged_prefill
-from ..cpu_kernels.fixed_order_linear import fixed_order_linear
 from ..errors import ConfigError
 from ..paged_cache import LayerKVCache
 from ..rope import RotaryEmbedding
 from ..step_plan import AttentionSpec, StepPlan, prefill_rows
-from ..weights import Linear
+from ..weights import FixedOrderLinear
 from .base import RopeTables
 from .native_ops import NativeOps, _c_attention
 
@@ -43,7 +42,7 @@ ROPE_CHUNK = 128  # positions computed together; small enough that torch never s
 
 class DeterministicOps(NativeOps):
     name = "deterministic"
-    takes_packed_weights = False
+    weight_layout = "fixed-order"
 
     def __init__(self) -> None:
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the rotary
@@ -107,12 +106,12 @@ class DeterministicOps(NativeOps):
         return table
 
     def linear(self, x, layer: nn.Module):
-        if not isinstance(layer, Linear):
+        if not isinstance(layer, FixedOrderLinear):
             raise ConfigError(
-                f"deterministic mode multiplies plain weights, not {type(layer).__name__}",
+                f"deterministic mode multiplies weights packed for it, not {type(layer).__name__}",
                 field="deterministic",
             )
-        return fixed_order_linear(x.contiguous(), layer.weight, layer.bias)
+        return layer(x)
 
     def suggests_bfloat16(self) -> bool:
         return False

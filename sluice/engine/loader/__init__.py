@@ -107,8 +107,8 @@ def build_model(
 ) -> CausalLM:
     """The model, ready to run, from HF-named tensors (cast and moved; the dict is not changed):
     shapes checked, weights built, then transformed as the engine runs them (quantized when
-    `quantization` is "int8", else packed for oneDNN where the CPU has it and the kernel family
-    reads packed weights: `transform_weights`)."""
+    `quantization` is "int8", else packed in the layout the kernel family reads:
+    `transform_weights`)."""
     from ..config import torch_dtype
     from ..model import CausalLM
     from ..weights import transform_weights
@@ -116,7 +116,7 @@ def build_model(
 
     check_tensors(config, tensors, source)
     model = CausalLM(config, model_weights(config, tensors, torch_dtype(dtype), device), ops).eval()
-    transform_weights(model, quantization, pack=ops is None or ops.takes_packed_weights)
+    transform_weights(model, quantization, "onednn" if ops is None else ops.weight_layout)
     return model
 
 
