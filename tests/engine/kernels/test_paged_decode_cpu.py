@@ -176,6 +176,9 @@ def test_bfloat16_without_the_dot_instruction(monkeypatch, tmp_path):
     widened to float32 first and roundings done in integer arithmetic; decode, prefill and the
     layer ops keep the same bounds."""
     import test_layer_ops_cpu as layer_ops
+    from test_paged_prefill_cpu import (
+        test_a_position_gets_the_same_bits_however_its_sequence_is_split as prefill_split,
+    )
     from test_paged_prefill_cpu import test_bfloat16_queries as prefill_bfloat16_queries
 
     monkeypatch.setattr(cpu_kernels, "_state", {})
@@ -185,6 +188,7 @@ def test_bfloat16_without_the_dot_instruction(monkeypatch, tmp_path):
     test_bfloat16_queries(2, 8, 128, None, 37)
     test_bfloat16_queries(3, 3, 64, None, None)
     prefill_bfloat16_queries(3, 3, 64, 21, torch.bfloat16)
+    prefill_split("bfloat16", 21)
     layer_ops.test_add_rmsnorm_bfloat16(300, True)
     layer_ops.test_silu_and_mul(300, torch.bfloat16)
     layer_ops.test_rotary_in_place(7, 9, 3, 64, torch.bfloat16)

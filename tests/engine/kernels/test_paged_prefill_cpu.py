@@ -183,21 +183,27 @@ def test_supports_the_vectorized_shapes_only():
     assert supports(torch.zeros(3, 6, 64), k16.to(torch.int8))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("window", [None, 21])
-def test_a_position_gets_the_same_bits_however_its_sequence_is_split(dtype, window):
-    """Deterministic mode relies on this: a query row is a lane of its own, keys past its position
-    add exact zeros, so a token computed in a whole prompt, in a later chunk, or alone as a decode
-    (a chunk of one) attends to the same bits."""
+def test_a_position_gets_the_same_bits_however_its_sequence_is_split(cache, window):
+    """Deterministic mode relies on this: a query row is a lane of its own and keys past its
+    position add exact zeros, so a token computed in a whole prompt, in a later chunk, or alone as
+    a decode (a chunk of one) attends to the same bits."""
     n = 90
+    dtype = torch.bfloat16 if cache == "bfloat16" else torch.float32
     q, k, v, table, starts, scale = build([n], [n], 3, 3, 64, seed=5, dtype=dtype)
+    scales = (None, None)
+    if cache == "int8":
+        (k, ks, _), (v, vs, _) = quantize_int8(k), quantize_int8(v)
+        scales = (ks, vs)
     first = int(starts[0])
 
     def split(chunks: list[tuple[int, int]]) -> torch.Tensor:
         """Rows of positions 0..n-1 with the sequence cut into (q_len, seq_len) chunks."""
         q_lens, seq_lens = [c[0] for c in chunks], [c[1] for c in chunks]
         at = torch.tensor([first + s - m for m, s in chunks])
-        out = run(q, k, v, table.expand(len(chunks), -1), at, q_lens, seq_lens, scale, window)
+        tables = table.expand(len(chunks), -1)
+        out = run(q, k, v, tables, at, q_lens, seq_lens, scale, window, *scales)
         return out[first : first + n]
 
     whole = split([(n, n)])
