@@ -35,7 +35,7 @@ from ..rope import RotaryEmbedding
 from ..step_plan import AttentionSpec, StepPlan, prefill_rows
 from ..weights import FixedOrderLinear
 from .base import RopeTables
-from .native_ops import NativeOps, _c_attention
+from .native_ops import NativeOps, c_attention_served
 
 ROPE_CHUNK = 128  # positions computed together; small enough that torch never splits the work
 
@@ -48,7 +48,7 @@ class DeterministicOps(NativeOps):
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the rotary
 
     def check(self, spec: AttentionSpec) -> None:
-        served, prefill_served = _c_attention(spec)
+        served, prefill_served = c_attention_served(spec)
         if not (served and prefill_served):
             raise ConfigError(
                 "deterministic mode needs the native attention kernels, which serve block size "

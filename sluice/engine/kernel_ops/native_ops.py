@@ -3,8 +3,9 @@
 bfloat16 models, on a cache of the model's type or an int8 one, read directly), RMSNorm with the
 residual add, rotary and SiLU-and-multiply; torch for the matmuls and the sampler.
 
-Where the attention kernels do not serve a model's shapes (`_c_attention`), its attention takes the
-torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks the shape.
+Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
+takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
+the shape.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .torch_ops import TorchOps, plan_sdpa_prefills, sdpa_prefills
 
 
 @functools.cache
-def _c_attention(spec: AttentionSpec) -> tuple[bool, bool]:
+def c_attention_served(spec: AttentionSpec) -> tuple[bool, bool]:
     """(the C kernels write this cache and attend on it, the prefill kernel serves it too), by
     the kernels' own rules (`supports`) applied to empty tensors of the spec's types and shapes."""
     q = torch.empty((0, spec.num_heads, spec.head_dim), dtype=spec.dtype, device=spec.device_type)
@@ -40,7 +41,7 @@ class NativeOps(TorchOps):
     name = "native"
 
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
-        served, prefill_served = _c_attention(spec)
+        served, prefill_served = c_attention_served(spec)
         if not served:
             return super().plan(step, spec)
         step = replace(step, attention=spec, decodes=decode_rows(step))
@@ -49,7 +50,7 @@ class NativeOps(TorchOps):
         return plan_sdpa_prefills(step, spec)
 
     def write_kv(self, k, v, cache: LayerKVCache, plan: StepPlan) -> None:
-        if not _c_attention(plan.spec)[0]:
+        if not c_attention_served(plan.spec)[0]:
             super().write_kv(k, v, cache, plan)
             return
         kv_write.write_kv_native(
@@ -57,7 +58,7 @@ class NativeOps(TorchOps):
         )
 
     def attend(self, q, k, v, cache: LayerKVCache, plan: StepPlan, scale: float) -> torch.Tensor:
-        served, prefill_served = _c_attention(plan.spec)
+        served, prefill_served = c_attention_served(plan.spec)
         if not served:
             return super().attend(q, k, v, cache, plan, scale)
         out = torch.empty_like(q)
