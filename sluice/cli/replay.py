@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "replay",
         help="generate a served request again and report whether it came out the same",
-        description=__doc__.split("\n\n", 1)[1].rsplit("\n\n", 1)[0],
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
