@@ -128,7 +128,9 @@ def tokenizer_sha256(tokenizer: Tokenizer | None) -> str | None:
 
 
 def cpu_features() -> tuple[str, ...]:
-    flags = set(_cpuinfo("flags").split())
+    from .cpu_kernels import cpu_flags
+
+    flags = cpu_flags()
     return tuple(f for f in NUMERIC_CPU_FLAGS if f in flags)
 
 

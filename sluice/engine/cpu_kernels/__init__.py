@@ -110,11 +110,19 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (`flags` in /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
+    except OSError:
+        return set()
+
+
 def cpu_multiplies_bfloat16() -> bool:
     """The CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX), so bfloat16 matmuls and
     these kernels' bfloat16 path run at about twice the float32 rate."""
-    flags = set(_cpu_signature().split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def _load() -> ctypes.CDLL:

@@ -26,10 +26,6 @@ class FixedOrderWeight:
     k: int
     dtype: torch.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
 
 def pack_fixed_order(weight: torch.Tensor) -> FixedOrderWeight:
     if weight.dtype not in DTYPES or weight.dim() != 2 or weight.device.type != "cpu":

@@ -42,10 +42,7 @@ def resolve_kernel_ops(choice: str, device_type: str, deterministic: bool = Fals
     elif choice == "native":
         if device_type != "cpu":
             raise fail(f"kernels='native' are C kernels for the CPU, not for {device_type}")
-        if not native_available():
-            from ..cpu_kernels import unavailable_reason
-
-            raise fail(f"kernels='native' unavailable: {unavailable_reason()}")
+        _require_native("kernels='native' unavailable", "kernels")
     elif choice == "triton":
         if not triton_available():
             raise fail("kernels='triton' but the triton package is not installed")
@@ -67,9 +64,17 @@ def resolve_kernel_ops(choice: str, device_type: str, deterministic: bool = Fals
     return TorchOps()
 
 
-def _deterministic(choice: str, device_type: str) -> KernelOps:
+def _require_native(what: str, field: str) -> None:
+    """ConfigError "`what`: why", naming `field`, where the native CPU kernels did not build."""
     from ..kernels import native_available
 
+    if not native_available():
+        from ..cpu_kernels import unavailable_reason
+
+        raise ConfigError(f"{what}: {unavailable_reason()}", field=field)
+
+
+def _deterministic(choice: str, device_type: str) -> KernelOps:
     def fail(message: str, field: str = "deterministic") -> ConfigError:
         return ConfigError(message, field=field)
 
@@ -77,10 +82,7 @@ def _deterministic(choice: str, device_type: str) -> KernelOps:
         raise fail(f"deterministic mode runs on the CPU; not yet on {device_type}")
     if choice not in ("auto", "native"):
         raise fail(f"deterministic mode runs on the native kernels, not {choice!r}", "kernels")
-    if not native_available():
-        from ..cpu_kernels import unavailable_reason
-
-        raise fail(f"deterministic mode needs the native CPU kernels: {unavailable_reason()}")
+    _require_native("deterministic mode needs the native CPU kernels", "deterministic")
     from .deterministic_ops import DeterministicOps
 
     return DeterministicOps()

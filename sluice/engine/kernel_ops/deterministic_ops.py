@@ -28,9 +28,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..cpu_kernels import kv_write, paged_prefill
 from ..errors import ConfigError
-from ..paged_cache import LayerKVCache
 from ..rope import RotaryEmbedding
 from ..step_plan import AttentionSpec, StepPlan, prefill_rows
 from ..weights import FixedOrderLinear
@@ -59,32 +57,9 @@ class DeterministicOps(NativeOps):
             )
 
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
+        # decodes as chunks of one, no decode rows: the native family's write_kv and attend then
+        # run every sequence through the prefill kernel (`check` made sure it serves the model)
         return replace(step, attention=spec, prefills=prefill_rows(step, min_query_len=1))
-
-    def write_kv(self, k, v, cache: LayerKVCache, plan: StepPlan) -> None:
-        kv_write.write_kv_native(
-            k, v, cache.k, cache.v, plan.slot_mapping, cache.k_scale, cache.v_scale
-        )
-
-    def attend(self, q, k, v, cache: LayerKVCache, plan: StepPlan, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        rows = plan.prefills
-        if rows is not None:
-            paged_prefill.paged_prefill_cpu(
-                q,
-                out,
-                rows.starts,
-                rows.q_lens,
-                rows.seq_lens,
-                cache.k,
-                cache.v,
-                rows.block_tables,
-                scale,
-                plan.sliding_window,
-                cache.k_scale,
-                cache.v_scale,
-            )
-        return out
 
     def rotary_tables(self, rotary: RotaryEmbedding, positions, dtype) -> RopeTables:
         cos, sin = self._table(rotary, int(positions.max()) + 1 if positions.numel() else 0)
