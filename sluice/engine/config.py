@@ -163,7 +163,7 @@ def normalize_rope_scaling(params: dict, rope_type: str | None, source: str) -> 
     return out
 
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -177,16 +177,21 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
-    dtype: str = "float32"  # "float32" | "bfloat16"
+    # "float32" | "bfloat16" | "auto": the faster of the two on this machine for this model,
+    # measured at start (`dtype_probe`); the engine's config then holds the one chosen
+    dtype: str = "float32"
     device: str = "cpu"
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # "auto": fused Triton kernels on CUDA; on the CPU "native" (decode attention in C, built at
     # first use) where a C compiler is found, else "torch". "torch", "triton", "native" force one.
     kernels: str = "auto"
-    quantization: str | None = None  # None | "int8" (weight-only, per output channel)
+    # None | "int8": weights as int8 codes (per output channel; in blocks of 32 on the native
+    # kernels, which multiply them as stored) | "int4": 4-bit codes in blocks of 32 with a scale
+    # and a minimum (GGUF's Q4_1; native kernels only)
+    quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3, CUDA)
     # Tokens that depend on the request alone, not on the batch, chunking, cache or threads
-    # (`kernel_ops.deterministic_ops`); CPU, unquantized weights and KV cache.
+    # (`kernel_ops.deterministic_ops`); CPU, a KV cache of the model dtype.
     deterministic: bool = False
 
     def __post_init__(self):
@@ -202,17 +207,14 @@ class EngineConfig:
                 f"choose one of {list(KV_CACHE_DTYPES)}",
                 field="kv_cache_dtype",
             )
-        if self.deterministic:
-            for name, value, plain in (
-                ("quantization", self.quantization, None),
-                ("kv_cache_dtype", self.kv_cache_dtype, "auto"),
-            ):
-                if value != plain:
-                    raise ConfigError(
-                        f"deterministic mode does not run with {name}={value!r} yet: its "
-                        "fixed-order kernels take float32 or bfloat16 weights and KV cache",
-                        field=name,
-                    )
+        if self.deterministic and self.kv_cache_dtype != "auto":
+            # an int8 block's scale grows as its tokens arrive and requantizes the codes already
+            # there, so its codes depend on how the tokens were split into steps
+            raise ConfigError(
+                f"deterministic mode does not run with kv_cache_dtype={self.kv_cache_dtype!r}: a "
+                "quantized block's codes depend on how its tokens were split into steps",
+                field="kv_cache_dtype",
+            )
 
     @property
     def kv_torch_dtype(self):

@@ -95,6 +95,8 @@ class LLMEngine:
         )
         self.loaded = loaded or load_model(model)
         self.model_config: ModelConfig = self.loaded.config
+        if self.config.dtype == "auto":
+            self.config = replace(self.config, dtype=self._choose_dtype())
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
@@ -182,12 +184,21 @@ class LLMEngine:
                 "deterministic mode: fixed-order matmuls and attention; a request's tokens depend "
                 "on it and its seed alone (docs/REPRODUCIBILITY.md), at a cost in speed"
             )
-        if c.dtype == "float32" and self.ops.suggests_bfloat16():
-            log.info(
-                "this CPU multiplies bfloat16 natively: --dtype bfloat16 "
-                "(EngineConfig(dtype='bfloat16')) is much faster (~1.7x in "
-                "docs/PERFORMANCE.md's engine benchmark), at bfloat16's precision"
-            )
+
+    def _choose_dtype(self) -> str:
+        """`dtype="auto"`: the faster precision here, measured (`dtype_probe`), and logged."""
+        from .dtype_probe import choose_dtype
+
+        c = self.config
+        choice = choose_dtype(self.model_config, c.device, self.ops, c.quantization)
+        timed = ", ".join(f"{d} {ms:.1f} ms" for d, ms in choice.ms.items())
+        log.info(
+            "dtype auto: %s (%s%s)",
+            choice.dtype,
+            choice.reason,
+            f": the model's matmuls at 1, 16 and 256 rows took {timed}" if timed else "",
+        )
+        return choice.dtype
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -4,9 +4,11 @@ them, applied to a built model (`transform_weights`).
 - `Linear`: a [N, K] weight (and bias) in the model dtype, as loaded;
 - `PackedLinear`: the same weight reordered once into oneDNN's blocked layout (CPU);
 - `Int8Linear`: weight-only int8, codes per output channel with float32 scales;
+- `BlockInt8Linear`: int8 codes in blocks of 32 along K with float16 scales (GGUF's Q8_0),
+  multiplied as stored by the native kernel (CPU);
 - `FixedOrderLinear`: the weight packed for deterministic mode's fixed-order matmul (CPU);
-- `Embedding`, `Int8Embedding`: the token table, plain or as int8 rows with scales (one int8 copy
-  serves a tied LM head too).
+- `Embedding`, `Int8Embedding`, `BlockInt8Embedding`: the token table, plain, as int8 rows with
+  scales, or read from a tied LM head's blocked int8 matrix (one int8 copy serves both).
 
 Each form computes itself with plain torch (`layer(x)`); a kernel family may compute a form its
 own way instead (`KernelOps.linear`).
@@ -128,6 +130,34 @@ class Int8Linear(nn.Module):
         return int8_linear_torch(x, self.qweight, self.scale, self.bias)
 
 
+class BlockInt8Linear(nn.Module):
+    """Int8 (or 4-bit) codes in blocks of 32 along K (`cpu_kernels.block_int8_linear`), packed
+    for its kernel."""
+
+    bias: nn.Parameter | None
+
+    def __init__(self, packed, bias: nn.Parameter | None):
+        super().__init__()
+        self.packed = packed  # a BlockInt8Weight
+        self.register_buffer("data", packed.data, persistent=False)  # counted with the weights
+        self.bias = bias
+
+    @classmethod
+    def quantize(cls, linear: Linear, bits: int = 8) -> BlockInt8Linear:
+        from .cpu_kernels import block_int8_linear as blocks
+
+        weight = linear.weight.data
+        k = weight.shape[1]
+        if bits == 4:
+            return cls(blocks.pack_q4_blocks(*blocks.quantize_q4_blocks(weight), k), linear.bias)
+        return cls(blocks.pack_blocks(*blocks.quantize_blocks(weight), k), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .cpu_kernels.block_int8_linear import block_int8_linear
+
+        return block_int8_linear(x.contiguous(), self.packed, self.bias)
+
+
 class FixedOrderLinear(nn.Module):
     """A weight packed for `cpu_kernels.fixed_order_linear`: every output element summed in one
     order, whatever the rows in the call (deterministic mode)."""
@@ -180,19 +210,51 @@ class Int8Embedding(nn.Module):
         return rows * self.scale[input_ids].unsqueeze(1).to(self.dtype)
 
 
+class BlockInt8Embedding(nn.Module):
+    """Token rows read from a `BlockInt8Linear`'s packed matrix (a tied LM head's), in `dtype`."""
+
+    def __init__(self, head: BlockInt8Linear, dtype: torch.dtype):
+        super().__init__()
+        self.packed = head.packed
+        self.register_buffer("data", head.packed.data, persistent=False)  # the head's, counted once
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from .cpu_kernels.block_int8_linear import block_int8_rows
+
+        return block_int8_rows(self.packed, input_ids, self.dtype)
+
+
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear modules of a decoder layer
 
 
 WEIGHT_LAYOUTS = ("onednn", "fixed-order")  # what `KernelOps.weight_layout` may ask for
+INT8_FORMATS = ("per-channel", "blocks")  # what `KernelOps.int8_format` may ask for
 
 
-def transform_weights(model: CausalLM, quantization: str | None, layout: str = "onednn") -> None:
-    """What the engine does to a built model: "int8" quantizes it (`quantize_int8`); None packs
-    its matmul weights in the layout its kernels read: for oneDNN where that is available
-    (`pack_for_onednn`), or for the fixed-order matmul (`pack_for_fixed_order`)."""
+def transform_weights(
+    model: CausalLM,
+    quantization: str | None,
+    layout: str = "onednn",
+    int8_format: str = "per-channel",
+) -> None:
+    """What the engine does to a built model:
+    - "int8" quantizes it per output channel (`quantize_int8`), or in blocks of 32
+      (`quantize_in_blocks`) where its kernels read int8 that way;
+    - "int4" quantizes it in 4-bit blocks of 32 (the native kernels only);
+    - None packs its matmul weights in the layout its kernels read: for oneDNN where that is
+      available (`pack_for_onednn`), or for the fixed-order matmul (`pack_for_fixed_order`)."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}")
-    if quantization == "int8":
+    if int8_format not in INT8_FORMATS:
+        raise ValueError(f"unknown int8 format {int8_format!r}")
+    if quantization == "int4" and int8_format != "blocks":
+        raise ConfigError(
+            "quantization 'int4' runs on the native CPU kernels only", field="quantization"
+        )
+    if quantization in ("int8", "int4") and int8_format == "blocks":
+        quantize_in_blocks(model, 4 if quantization == "int4" else 8)
+    elif quantization == "int8":
         quantize_int8(model)
     elif quantization is None:
         if layout == "fixed-order":
@@ -201,6 +263,33 @@ def transform_weights(model: CausalLM, quantization: str | None, layout: str = "
             pack_for_onednn(model)
     else:
         raise ConfigError(f"unsupported quantization {quantization!r}", field="quantization")
+
+
+def cast_unquantized(model: CausalLM, dtype: torch.dtype) -> None:
+    """A model quantized from wider weights than it runs in: its float parameters (norms,
+    biases) cast to `dtype`, and the embedding's output and the model's dtype set to it. The
+    quantized codes and their float32 scales stay as they are."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, (Int8Embedding, BlockInt8Embedding)):
+            module.dtype = dtype
+    model.dtype = dtype
+
+
+def transform_linear(
+    linear: Linear, quantization: str | None, layout: str, int8_format: str = "per-channel"
+) -> nn.Module:
+    """One matrix in the form `transform_weights` gives a model's projections (what the dtype
+    probe times)."""
+    if quantization == "int4":
+        return BlockInt8Linear.quantize(linear, 4)
+    if quantization == "int8":
+        return (BlockInt8Linear if int8_format == "blocks" else Int8Linear).quantize(linear)
+    if layout == "fixed-order":
+        return FixedOrderLinear.pack(linear)
+    return PackedLinear.pack(linear) or linear
 
 
 def _layers(model: CausalLM) -> list[DecoderLayer]:
@@ -224,6 +313,30 @@ def quantize_int8(model: CausalLM) -> None:
     model.embed_tokens = Int8Embedding(q, scale, embed.weight.dtype)
     tied = head.weight is embed.weight
     model.lm_head = Int8Linear(q, scale, None) if tied else Int8Linear.quantize(head)
+
+
+def quantize_in_blocks(model: CausalLM, bits: int = 8) -> None:
+    """Codes in blocks of 32 wherever a matrix is multiplied, multiplied as stored by the native
+    kernel: the four projections of every layer in `bits` (8 or 4), the LM head in int8 (as GGUF
+    files keep it: the vocabulary matrix is the most sensitive). A tied head's embedding reads its
+    rows from the head's matrix (`BlockInt8Embedding`); an untied one keeps int8 rows with one
+    scale each (`Int8Embedding`). Norm weights stay in the model dtype."""
+    from .kernels.int8_linear import quantize_int8 as quantize
+
+    head, embed = model.lm_head, model.embed_tokens
+    if not isinstance(head, Linear) or not isinstance(embed, Embedding):
+        raise RuntimeError("quantize before packing: packed weights cannot be quantized")
+    for layer in _layers(model):
+        for name in PROJECTIONS:
+            setattr(layer, name, BlockInt8Linear.quantize(getattr(layer, name), bits))
+    tied = head.weight is embed.weight
+    model.lm_head = blocked = BlockInt8Linear.quantize(head)
+    dtype = embed.weight.dtype
+    model.embed_tokens = (
+        BlockInt8Embedding(blocked, dtype)
+        if tied
+        else Int8Embedding(*quantize(embed.weight.data), dtype)
+    )
 
 
 def pack_for_fixed_order(model: CausalLM) -> None:

@@ -1,9 +1,10 @@
-"""Deterministic mode on the real default model (SmolLM2-135M, float32 and bfloat16): the same
-request and seed give the same token ids and logprobs, bit for bit, alone and inside a batch of 63
-random others arriving at random steps, at token budgets 64, 512 and 2048 (other chunked-prefill
-splits), with its prefix cached by another request's batch, with 1 and 2 threads, in a second
-process, and resumed after its first tokens. The Thinking Machines check: one prompt sampled at
-temperature 1 with one seed 200 times in varied batches gives one completion.
+"""Deterministic mode on the real default model (SmolLM2-135M, float32, bfloat16, and float32
+activations on int8 and on 4-bit weights): the same request and seed give the same token ids and
+logprobs, bit for bit, alone and inside a batch of 63 random others arriving at random steps, at
+token budgets 64, 512 and 2048 (other chunked-prefill splits), with its prefix cached by another
+request's batch, with 1 and 2 threads, in a second process, and resumed after its first tokens.
+The Thinking Machines check: one prompt sampled at temperature 1 with one seed 200 times in varied
+batches gives one completion.
 
 Each test isolates its prefix cache with a cache salt of its own (the salt changes block hashes,
 never numerics), so "alone" means computed from scratch."""
@@ -30,7 +31,9 @@ PROMPT = (
     "has watched the same stretch of coast for forty years, and who remembers every storm, every "
     "ship that passed, and the names of the gulls that nested on the rocks below his window."
 )
-TARGET = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, logprobs=3)
+TARGET = SamplingParams(
+    temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, logprobs=3, ignore_eos=True
+)
 WORDS = "alpha river stone cloud seven blue sings under the old bridge while rain falls".split()
 
 
@@ -43,9 +46,20 @@ class Run:
     cached_tokens: int
 
 
-def make_engine(dtype: str, **config) -> LLMEngine:
+# a variant's name -> its engine settings
+VARIANTS = {
+    "float32": {"dtype": "float32"},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+}
+
+
+def make_engine(variant: str, **config) -> LLMEngine:
     return LLMEngine(
-        config=EngineConfig(kv_cache_bytes=512 << 20, dtype=dtype, deterministic=True, **config)
+        config=EngineConfig(
+            kv_cache_bytes=512 << 20, deterministic=True, **VARIANTS[variant], **config
+        )
     )
 
 
@@ -87,7 +101,7 @@ def random_mates(rng: random.Random, n: int, vocab: list[int], prefix: str) -> l
     return mates
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def dtype(request) -> str:
     return request.param
 
@@ -169,8 +183,8 @@ import json, sys
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.sampling_params import SamplingParams
-ids, params, dtype = json.loads(sys.argv[1])
-engine = LLMEngine(config=EngineConfig(kv_cache_bytes=256 << 20, dtype=dtype, deterministic=True))
+ids, params, variant = json.loads(sys.argv[1])
+engine = LLMEngine(config=EngineConfig(kv_cache_bytes=256 << 20, deterministic=True, **variant))
 result = engine.generate(prompt_token_ids=[ids], params=SamplingParams(**params))[0]
 lps = [[lp.logprob.hex(), [[t, v.hex()] for t, v in lp.top]] for lp in result.samples[0].logprobs]
 print(json.dumps({"token_ids": result.token_ids, "logprobs": lps}))
@@ -179,10 +193,11 @@ print(json.dumps({"token_ids": result.token_ids, "logprobs": lps}))
 
 def test_a_second_process_gives_the_same_bits(dtype, prompt_ids, alone):
     params = {
-        k: getattr(TARGET, k) for k in ("temperature", "top_p", "seed", "max_tokens", "logprobs")
+        k: getattr(TARGET, k)
+        for k in ("temperature", "top_p", "seed", "max_tokens", "logprobs", "ignore_eos")
     }
     done = subprocess.run(
-        [sys.executable, "-c", SECOND_PROCESS, json.dumps([prompt_ids, params, dtype])],
+        [sys.executable, "-c", SECOND_PROCESS, json.dumps([prompt_ids, params, VARIANTS[dtype]])],
         capture_output=True,
         text=True,
         timeout=300,
@@ -224,13 +239,10 @@ def test_200_samples_of_one_seed_in_varied_batches_give_one_completion(engine, v
 
 
 def test_settings_deterministic_mode_cannot_honour_are_refused_by_field():
-    for kwargs, field in (
-        ({"quantization": "int8"}, "quantization"),
-        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
-    ):
+    for kv in ("int8", "fp8"):
         with pytest.raises(ConfigError) as err:
-            EngineConfig(deterministic=True, **kwargs)
-        assert err.value.field == field
+            EngineConfig(deterministic=True, kv_cache_dtype=kv)
+        assert err.value.field == "kv_cache_dtype"
     with pytest.raises(ConfigError) as err:
         LLMEngine(config=EngineConfig(deterministic=True, kernels="torch"))
     assert err.value.field == "kernels"

@@ -89,22 +89,3 @@ def test_bfloat16_is_as_close_to_float32_as_the_torch_path(tmp_path, monkeypatch
     )  # the bfloat16 attention ran in C
     assert err["native"] < 0.05, err  # bfloat16 keeps ~3 significant digits through the layers
     assert err["native"] <= 1.5 * err["torch"], err
-
-
-@pytest.mark.parametrize(
-    "dtype,cpu_has_it,hinted",
-    [("float32", True, True), ("float32", False, False), ("bfloat16", True, False)],
-)
-def test_the_start_log_suggests_bfloat16_where_the_cpu_multiplies_it(
-    tmp_path, monkeypatch, caplog, dtype, cpu_has_it, hinted
-):
-    import logging
-
-    from sluice.engine.kernel_ops import native_ops
-
-    monkeypatch.setattr(native_ops, "cpu_multiplies_bfloat16", lambda: cpu_has_it)
-    build("llama").save_pretrained(tmp_path)
-    with caplog.at_level(logging.INFO, logger="sluice.engine.engine"):
-        e = engine(tmp_path, "native", device="cpu", dtype=dtype)
-    assert e.kernels == "native"
-    assert any("--dtype bfloat16" in r.getMessage() for r in caplog.records) == hinted

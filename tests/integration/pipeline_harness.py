@@ -23,7 +23,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from sluice.connectors.processes import pid_alive
 from sluice.connectors.settings import StackSettings
 
-ENGINE_FLAGS = ["--kv-cache-mb", "256", "--max-num-batched-tokens", "512"]
+# float32 as the in-process engines the tests compare with (the CLI's default dtype is measured)
+ENGINE_FLAGS = ["--kv-cache-mb", "256", "--max-num-batched-tokens", "512", "--dtype", "float32"]
 
 
 def new_prefix() -> str:

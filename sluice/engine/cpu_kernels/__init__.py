@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded first: the library then shares torch's OpenMP runtime)
+import torch  # loaded first: the library then shares torch's OpenMP runtime
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ SOURCES = (
     "layer_ops.c",
     "kv_write.c",
     "fixed_order_linear.c",
+    "block_int8_linear.c",
 )
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
@@ -76,6 +77,21 @@ def require_library() -> ctypes.CDLL:
     return lib
 
 
+def matmul_operands(
+    x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int
+) -> torch.Tensor | None:
+    """Check x [M, K] and bias [N] for a C matmul kernel (a CPU matrix with contiguous rows, a
+    bias of x's type); returns the bias, contiguous."""
+    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.shape[1] != k:
+        raise ValueError(
+            f"x: a CPU matrix of {k} columns, contiguous rows, expected; got "
+            f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
+        )
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,)):
+        raise ValueError(f"bias: a {x.dtype} vector of {n} expected")
+    return None if bias is None else bias.contiguous()
+
+
 def unavailable_reason() -> str | None:
     library()
     return _state["reason"]  # type: ignore[return-value]
@@ -92,14 +108,20 @@ class _Unavailable(Exception):
     pass
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """Where the engine keeps what it builds or measures once per machine: `$SLUICE_CACHE_DIR`,
+    else `$XDG_CACHE_HOME/sluice` or `~/.cache/sluice`."""
     root = os.environ.get("SLUICE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sluice"
     )
-    return Path(root) / "cpu_kernels"
+    return Path(root)
 
 
-def _cpu_signature() -> str:
+def _cache_dir() -> Path:
+    return cache_root() / "cpu_kernels"
+
+
+def cpu_signature() -> str:
     """The CPU model and feature flags: a library built with -march=native runs only where they
     match."""
     try:
@@ -117,12 +139,6 @@ def cpu_flags() -> set[str]:
             return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
     except OSError:
         return set()
-
-
-def cpu_multiplies_bfloat16() -> bool:
-    """The CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX), so bfloat16 matmuls and
-    these kernels' bfloat16 path run at about twice the float32 rate."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def _load() -> ctypes.CDLL:
@@ -148,7 +164,7 @@ def _load() -> ctypes.CDLL:
         *(f.read_bytes() for f in inputs),
         " ".join(flags).encode(),
         version.encode(),
-        _cpu_signature().encode(),
+        cpu_signature().encode(),
     ]:
         key.update(part)
     target = _cache_dir() / f"sluice_cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -259,6 +275,16 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_fixed_order_linear": (i32, [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32]),
         "sluice_fixed_order_packed_bytes": (i64, [i64, i64, i32]),
         "sluice_fixed_order_pack": (None, [ptr, i64, i64, i32, ptr]),
+        "sluice_block_int8_linear": (
+            i32,
+            [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32],
+        ),
+        "sluice_block_int4_packed_bytes": (i64, [i64, i64]),
+        "sluice_block_int4_pack": (None, [ptr, ptr, ptr, i64, i64, ptr]),
+        "sluice_block_int8_packed_bytes": (i64, [i64, i64]),
+        "sluice_block_int8_pack": (None, [ptr, ptr, i64, i64, ptr]),
+        "sluice_block_int8_has_vnni": (i32, []),
+        "sluice_block_int8_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

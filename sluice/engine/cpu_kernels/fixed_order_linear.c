@@ -117,13 +117,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
         float row[NR];
         store16(row, acc[i][0]);
         store16(row + 16, acc[i][1]);
-        for (int c = 0; c < ncols; c++) {
-            const float y = bias == NULL ? row[c] : row[c] + load_act(bias, c, bf16);
-            if (bf16)
-                ((uint16_t *)out)[i * os + c] = float_to_bf16(y);
-            else
-                ((float *)out)[i * os + c] = y;
-        }
+        store_row_act((char *)out + i * os * (bf16 ? 2 : 4), row, ncols, bias, bf16);
     }
 }
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import require_library
+from . import matmul_operands, require_library
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -50,14 +50,7 @@ def fixed_order_linear(
     """x [M, K] @ W.T (+ bias [N]) -> [M, N], all of the weight's type."""
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but the weight is {weight.dtype}")
-    if x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu" or x.shape[1] != weight.k:
-        raise ValueError(
-            f"x: a CPU matrix of {weight.k} columns, contiguous rows, expected; got "
-            f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
-        )
-    if bias is not None and (bias.dtype != x.dtype or bias.shape != (weight.n,)):
-        raise ValueError(f"bias: a {x.dtype} vector of {weight.n} expected")
-    bias = None if bias is None else bias.contiguous()
+    bias = matmul_operands(x, bias, weight.n, weight.k)
     m = x.shape[0]
     out = torch.empty(m, weight.n, dtype=x.dtype)
     if m == 0 or weight.n == 0:

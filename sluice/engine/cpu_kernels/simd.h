@@ -157,6 +157,18 @@ static inline float load_act(const void *p, int64_t i, const int bf16) {
     return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* A matmul tile's row of float32 sums into out[0 .. n-1]: plus the bias (when not NULL), then
+ * rounded once to bfloat16 for a bfloat16 output. */
+static inline void store_row_act(void *out, const float *sums, int n, const void *bias, const int bf16) {
+    for (int c = 0; c < n; c++) {
+        const float y = bias == NULL ? sums[c] : sums[c] + load_act(bias, c, bf16);
+        if (bf16)
+            ((uint16_t *)out)[c] = float_to_bf16(y);
+        else
+            ((float *)out)[c] = y;
+    }
+}
+
 static inline v16f load16_act(const void *p, int64_t i, const int bf16) {
     return bf16 ? widen16((const uint16_t *)p + i) : load16((const float *)p + i);
 }

@@ -36,6 +36,8 @@ class KernelOps(ABC):
     name: ClassVar[str]  # as `EngineConfig.kernels` names the family
     # The layout `weights.transform_weights` packs unquantized weights in for this family
     weight_layout: ClassVar[str] = "onednn"
+    # How `--quantization int8` stores weights for this family (`weights.INT8_FORMATS`)
+    int8_format: ClassVar[str] = "per-channel"
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back
@@ -99,11 +101,6 @@ class KernelOps(ABC):
         """One token per row from the min-p / top-k / top-p truncated softmax of `logits` (already
         penalized and divided by the temperature); the row's random word (`draws.draw_word`)
         alone decides its draw."""
-
-    def suggests_bfloat16(self) -> bool:
-        """Whether a float32 engine on these kernels would run much faster in bfloat16 (a hint
-        for the start log)."""
-        return False
 
     def __str__(self) -> str:
         return self.name

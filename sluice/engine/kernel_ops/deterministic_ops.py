@@ -5,7 +5,9 @@ threads ran it.
 
 - matmuls: `fixed_order_linear` (each output element one running sum over K in order; threads
   split rows and columns, never K), on weights packed for it at load (oneDNN's kernels choose
-  their blocking by shape, and change a row's bits with the rows beside it);
+  their blocking by shape, and change a row's bits with the rows beside it); int8 weights through
+  `block_int8_linear`, whose sums are in a fixed order already (activations quantized per row,
+  each block's dot product exact, blocks added in order);
 - attention: every sequence, decodes too, through the prefill kernel, whose query rows are
   independent lanes going over the keys in 16-key blocks in position order with an online
   softmax; keys past a row's position are masked to exact no-ops, so a token attends the same
@@ -31,7 +33,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..rope import RotaryEmbedding
 from ..step_plan import AttentionSpec, StepPlan, prefill_rows
-from ..weights import FixedOrderLinear
+from ..weights import BlockInt8Linear, FixedOrderLinear
 from .base import RopeTables
 from .native_ops import NativeOps, c_attention_served
 
@@ -81,12 +83,9 @@ class DeterministicOps(NativeOps):
         return table
 
     def linear(self, x, layer: nn.Module):
-        if not isinstance(layer, FixedOrderLinear):
+        if not isinstance(layer, (FixedOrderLinear, BlockInt8Linear)):
             raise ConfigError(
                 f"deterministic mode multiplies weights packed for it, not {type(layer).__name__}",
                 field="deterministic",
             )
         return layer(x)
-
-    def suggests_bfloat16(self) -> bool:
-        return False

@@ -1,7 +1,8 @@
 """The native family (the CPU default where a C compiler built them): the C kernels of
 `cpu_kernels` for the KV write, decode and prefill attention on the cache in place (float32 or
 bfloat16 models, on a cache of the model's type or an int8 one, read directly), RMSNorm with the
-residual add, rotary and SiLU-and-multiply; torch for the matmuls and the sampler.
+residual add, rotary and SiLU-and-multiply, int8 weights multiplied as stored
+(`block_int8_linear`); torch (oneDNN) for the float matmuls, and the sampler.
 
 Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
 takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
@@ -15,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from ..cpu_kernels import cpu_multiplies_bfloat16, kv_write, paged_decode, paged_prefill
+from ..cpu_kernels import kv_write, paged_decode, paged_prefill
 from ..cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
 from ..paged_cache import LayerKVCache
 from ..step_plan import AttentionSpec, StepPlan, decode_rows, prefill_rows
@@ -39,6 +40,7 @@ def c_attention_served(spec: AttentionSpec) -> tuple[bool, bool]:
 
 class NativeOps(TorchOps):
     name = "native"
+    int8_format = "blocks"  # multiplied as stored by `cpu_kernels.block_int8_linear`
 
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
         served, prefill_served = c_attention_served(spec)
@@ -111,6 +113,3 @@ class NativeOps(TorchOps):
 
     def silu_and_mul(self, x):
         return silu_and_mul_native(x)
-
-    def suggests_bfloat16(self) -> bool:
-        return cpu_multiplies_bfloat16()

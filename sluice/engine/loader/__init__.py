@@ -111,13 +111,29 @@ def build_model(
     `transform_weights`)."""
     from ..config import torch_dtype
     from ..model import CausalLM
-    from ..weights import transform_weights
+    from ..weights import cast_unquantized, transform_weights
     from .tensor_names import check_tensors, model_weights
 
     check_tensors(config, tensors, source)
-    model = CausalLM(config, model_weights(config, tensors, torch_dtype(dtype), device), ops).eval()
-    transform_weights(model, quantization, "onednn" if ops is None else ops.weight_layout)
+    target = torch_dtype(dtype)
+    built = _quantized_from(tensors, target) if quantization else target
+    model = CausalLM(config, model_weights(config, tensors, built, device), ops).eval()
+    if ops is None:
+        transform_weights(model, quantization)
+    else:
+        transform_weights(model, quantization, ops.weight_layout, ops.int8_format)
+    if built != target:
+        cast_unquantized(model, target)
     return model
+
+
+def _quantized_from(tensors: dict[str, torch.Tensor], target: torch.dtype) -> torch.dtype:
+    """The dtype to quantize from: the loaded tensors' where it is wider than the model's, so the
+    codes come from the weights as loaded, not as rounded to bfloat16 first (a GGUF Q8_0 tensor,
+    dequantized to float32 and quantized again, gives back its own codes and scales)."""
+    loaded = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    widest = max(loaded, key=lambda d: torch.finfo(d).bits, default=target)
+    return widest if torch.finfo(widest).bits > torch.finfo(target).bits else target
 
 
 __all__ = ["LoadedModel", "build_model", "load_model", "load_tokenizer"]

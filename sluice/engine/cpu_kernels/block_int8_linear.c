@@ -1,0 +1,359 @@
+/* y = x @ W.T (+ bias) on the CPU for int8 weights multiplied as they are stored: codes in blocks
+ * of 32 along K with one float16 scale a block (GGUF's Q8_0), never widened to float in memory.
+ *
+ * Each row of x is quantized the same way at the start of the call (llama.cpp's Q8_0 activations):
+ * a block's scale is amax / 127, its codes round(x * 127 / amax) (ties to even). A block's dot
+ * product of codes is then exact in int32, and
+ *     y[m][n] = sum over blocks b, in order, of  (xs[m][b] * ws[n][b]) * dot_b(xq[m], wq[n])
+ * one float32 fused multiply-add a block, then the bias, then one rounding to bfloat16 for a
+ * bfloat16 output. Every build computes exactly these float operations in this order, so the
+ * AVX512-VNNI code and the portable one give the same bits.
+ *
+ * With AVX512-VNNI one VPDPBUSD multiplies 64 pairs of unsigned by signed bytes and adds them in
+ * fours to 16 int32 lanes. The weights are its unsigned operand, stored as code + 128, so the
+ * dot product it gives is dot_b + 128 * sum_b(xq), and that sum is taken off again per block.
+ *
+ * Packed layout (`sluice_block_int8_pack`): panels of 16 output columns; in panel p, block b is 8
+ * quads j of 64 bytes, byte 4c + i of quad j = W[16p + c][32b + 4j + i] + 128, followed by the 16
+ * columns' scales as float16 (544 bytes a block, a panel's blocks one after another). Columns past
+ * N and k past K hold code 0 with scale 0. A decode reads each weight byte once, in order.
+ *
+ * 4-bit codes (`fmt` 1, GGUF's Q4_1): w = d * q + m with q in 0..15 and a float16 d and m a
+ * block, so y[m][n] adds, per block in order, (xs * d) * dot_b(xq, q) and then (xs * sum_b(xq)) * m,
+ * two fused multiply-adds. A block of a panel is 4 vectors of 64 bytes, byte 4c + i of vector j
+ * holding the codes of k = 32b + 4j + i (low nibble) and of k + 16 (high nibble) of column c,
+ * then the 16 d, then the 16 m (320 bytes a block); VPDPBUSD takes the codes as they unpack.
+ *
+ * Layouts: x [M, K] with row stride x_stride, bias [N] or NULL, out [M, N] with row stride
+ * out_stride; all float32, or all bfloat16 (`bf16`).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(SLUICE_NO_VNNI)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+#define KB 32                              /* k of a block */
+#define NC 16                              /* columns of a panel */
+#define BLOCK_BYTES (KB * NC + NC * 2)     /* codes, then float16 scales */
+#define Q4_BLOCK_BYTES (KB * NC / 2 + NC * 4) /* codes in nibbles, then float16 d and m */
+#define FMT_Q8 0
+#define FMT_Q4 1
+#define MR 4                               /* rows of a tile */
+#define NP 2                               /* panels of a tile */
+#define BLOCK_M (MR * 16)
+#define TINY_BLOCK 1e-30f                  /* activation blocks below this amax are zeros */
+
+static inline int64_t blocks_of(int64_t k) { return (k + KB - 1) / KB; }
+static inline int64_t panels_of(int64_t n) { return (n + NC - 1) / NC; }
+
+int sluice_block_int8_has_vnni(void) { return HAVE_VNNI; }
+
+static inline int64_t block_bytes(int fmt) { return fmt == FMT_Q4 ? Q4_BLOCK_BYTES : BLOCK_BYTES; }
+
+int64_t sluice_block_int8_packed_bytes(int64_t N, int64_t K) {
+    return panels_of(N) * blocks_of(K) * BLOCK_BYTES;
+}
+
+int64_t sluice_block_int4_packed_bytes(int64_t N, int64_t K) {
+    return panels_of(N) * blocks_of(K) * Q4_BLOCK_BYTES;
+}
+
+/* codes uint8 in 0..15 [N, nb * 32] (k past K zero), d and m float16 bits [N, nb]. */
+void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
+                            uint8_t *packed) {
+    const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
+    memset(packed, 0, (size_t)(P * nb * Q4_BLOCK_BYTES));
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = packed + (p * nb + b) * Q4_BLOCK_BYTES;
+            uint16_t *dd = (uint16_t *)(blk + KB * NC / 2), *mm = dd + NC;
+            for (int c = 0; c < NC; c++) {
+                const int64_t n = p * NC + c;
+                if (n >= N) continue;
+                dd[c] = d[n * nb + b];
+                mm[c] = m[n * nb + b];
+                for (int t = 0; t < KB; t++) {
+                    const uint8_t q = codes[n * kp + b * KB + t] & 0x0f;
+                    const int lane = t % 16, shift = t < 16 ? 0 : 4;
+                    blk[(lane / 4) * 64 + 4 * c + lane % 4] |= (uint8_t)(q << shift);
+                }
+            }
+        }
+}
+
+/* codes int8 [N, nb * 32] (k past K zero), scales float16 bits [N, nb]. */
+void sluice_block_int8_pack(const int8_t *codes, const uint16_t *scales, int64_t N, int64_t K, uint8_t *packed) {
+    const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
+    memset(packed, 128, (size_t)(P * nb * BLOCK_BYTES));
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = packed + (p * nb + b) * BLOCK_BYTES;
+            uint16_t *sc = (uint16_t *)(blk + KB * NC);
+            for (int c = 0; c < NC; c++) {
+                const int64_t n = p * NC + c;
+                sc[c] = n < N ? scales[n * nb + b] : 0;
+                if (n >= N) continue;
+                for (int t = 0; t < KB; t++)
+                    blk[(t / 4) * 64 + 4 * c + (t % 4)] = (uint8_t)(codes[n * kp + b * KB + t] + 128);
+            }
+        }
+}
+
+/* IEEE half to float, exactly (the portable path's reading of the scales). */
+static inline float f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) { /* zero or subnormal: m x 2^-24, exact */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    float v;
+    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* Rows ids[0..T-1] of the packed [N, K] weight, dequantized (code x scale, exact in float32) into
+ * out [T, K] (float32, or bfloat16 rounded once): an embedding lookup on a tied LM head's weight,
+ * so the two share one int8 copy. Returns 0, or -2 for an id outside [0, N). */
+int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids, int64_t T, void *out,
+                           int bf16) {
+    const int64_t nb = blocks_of(K), panel_stride = nb * BLOCK_BYTES;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t n = ids[t], c = n % NC;
+        const uint8_t *panel = packed + (n / NC) * panel_stride;
+        for (int64_t k = 0; k < K; k++) {
+            const uint8_t *blk = panel + (k / KB) * BLOCK_BYTES;
+            const int i = (int)(k % KB);
+            const float scale = f16_to_float(((const uint16_t *)(blk + KB * NC))[c]);
+            const float v = (float)((int)blk[(i / 4) * 64 + 4 * c + (i % 4)] - 128) * scale;
+            if (bf16)
+                ((uint16_t *)out)[t * K + k] = float_to_bf16(v);
+            else
+                ((float *)out)[t * K + k] = v;
+        }
+    }
+    return 0;
+}
+
+/* Row m of x into nb blocks of codes (xq, nb * 32 bytes), their scales and their code sums. */
+static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
+    for (int64_t b = 0; b < nb; b++) {
+        float v[KB];
+        for (int t = 0; t < KB; t++) {
+            const int64_t k = b * KB + t;
+            v[t] = k < K ? load_act(x, k, bf16) : 0.0f;
+        }
+        float amax = 0.0f;
+        for (int t = 0; t < KB; t++) amax = fabsf(v[t]) > amax ? fabsf(v[t]) : amax;
+        /* a block this small counts as zeros (127 / amax would overflow near the float minimum) */
+        const float inv = amax >= TINY_BLOCK ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int t = 0; t < KB; t++) {
+            const int q = (int)nearbyintf(v[t] * inv);
+            xq[b * KB + t] = (int8_t)q;
+            sum += q;
+        }
+        xs[b] = amax >= TINY_BLOCK ? amax / 127.0f : 0.0f;
+        xsum[b] = sum;
+    }
+}
+
+#if HAVE_VNNI
+/* mr rows of quantized x against np panels: 16 * np columns of those rows. */
+static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
+                                                       const uint8_t *w, int64_t panel_stride, const void *bias,
+                                                       void *out, int64_t os, int ncols, const int mr, const int np,
+                                                       int bf16, const int fmt) {
+    __m512 acc[MR][NP];
+    for (int i = 0; i < mr; i++)
+        for (int p = 0; p < np; p++) acc[i][p] = _mm512_setzero_ps();
+    const int64_t kp = nb * KB;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i d[MR][NP];
+        for (int i = 0; i < mr; i++)
+            for (int p = 0; p < np; p++) d[i][p] = _mm512_setzero_si512();
+        if (fmt == FMT_Q4) {
+            const uint8_t *blk = w + b * Q4_BLOCK_BYTES;
+            const __m512i low = _mm512_set1_epi8(0x0f);
+            for (int j = 0; j < KB / 8; j++) {
+                __m512i lo[NP], hi[NP];
+                for (int p = 0; p < np; p++) {
+                    const __m512i v = _mm512_loadu_si512(blk + p * panel_stride + j * 64);
+                    lo[p] = _mm512_and_si512(v, low);
+                    hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+                for (int i = 0; i < mr; i++) {
+                    int32_t qa, qb;
+                    memcpy(&qa, xq + i * kp + b * KB + 4 * j, 4);
+                    memcpy(&qb, xq + i * kp + b * KB + 16 + 4 * j, 4);
+                    const __m512i xa = _mm512_set1_epi32(qa), xb = _mm512_set1_epi32(qb);
+                    for (int p = 0; p < np; p++) {
+                        d[i][p] = _mm512_dpbusd_epi32(d[i][p], lo[p], xa);
+                        d[i][p] = _mm512_dpbusd_epi32(d[i][p], hi[p], xb);
+                    }
+                }
+            }
+            __m512 wd[NP], wm[NP];
+            for (int p = 0; p < np; p++) {
+                const uint8_t *sc = blk + p * panel_stride + KB * NC / 2;
+                wd[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+                wm[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 2 * NC)));
+            }
+            for (int i = 0; i < mr; i++) {
+                const float sx = xs[i * nb + b];
+                const __m512 s = _mm512_set1_ps(sx), sm = _mm512_set1_ps(sx * (float)xsum[i * nb + b]);
+                for (int p = 0; p < np; p++) {
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_mul_ps(s, wd[p]), _mm512_cvtepi32_ps(d[i][p]), acc[i][p]);
+                    acc[i][p] = _mm512_fmadd_ps(wm[p], sm, acc[i][p]);
+                }
+            }
+            continue;
+        }
+        const uint8_t *blk = w + b * BLOCK_BYTES;
+        for (int j = 0; j < KB / 4; j++) {
+            __m512i wv[NP];
+            for (int p = 0; p < np; p++) wv[p] = _mm512_loadu_si512(blk + p * panel_stride + j * 64);
+            for (int i = 0; i < mr; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * kp + b * KB + 4 * j, 4);
+                const __m512i xb = _mm512_set1_epi32(quad);
+                for (int p = 0; p < np; p++) d[i][p] = _mm512_dpbusd_epi32(d[i][p], wv[p], xb);
+            }
+        }
+        __m512 ws[NP];
+        for (int p = 0; p < np; p++)
+            ws[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + p * panel_stride + KB * NC)));
+        for (int i = 0; i < mr; i++) {
+            const __m512i c = _mm512_set1_epi32(128 * xsum[i * nb + b]);
+            const __m512 s = _mm512_set1_ps(xs[i * nb + b]);
+            for (int p = 0; p < np; p++) {
+                const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[i][p], c));
+                acc[i][p] = _mm512_fmadd_ps(_mm512_mul_ps(s, ws[p]), dot, acc[i][p]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float row[NC * NP];
+        for (int p = 0; p < np; p++) _mm512_storeu_ps(row + p * NC, acc[i][p]);
+        store_row_act((char *)out + i * os * (bf16 ? 2 : 4), row, ncols, bias, bf16);
+    }
+}
+#else
+/* The same sums without VNNI: each block's dot product in int32, then the same float steps. */
+static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
+                        int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
+                        const int np, int bf16, const int fmt) {
+    const int64_t kp = nb * KB;
+    for (int i = 0; i < mr; i++) {
+        float acc[NC * NP] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *xr = xq + i * kp + b * KB;
+            const float s = xs[i * nb + b];
+            for (int p = 0; p < np; p++) {
+                if (fmt == FMT_Q4) {
+                    const uint8_t *blk = w + p * panel_stride + b * Q4_BLOCK_BYTES;
+                    const uint16_t *dd = (const uint16_t *)(blk + KB * NC / 2), *mm = dd + NC;
+                    const float sm = s * (float)xsum[i * nb + b];
+                    int32_t d[NC] = {0};
+                    for (int j = 0; j < KB / 8; j++)
+                        for (int c = 0; c < NC; c++)
+                            for (int t = 0; t < 4; t++) {
+                                const uint8_t v = blk[j * 64 + 4 * c + t];
+                                d[c] += (int32_t)(v & 0x0f) * xr[4 * j + t] + (int32_t)(v >> 4) * xr[16 + 4 * j + t];
+                            }
+                    for (int c = 0; c < NC; c++) {
+                        float a = fmaf(s * f16_to_float(dd[c]), (float)d[c], acc[p * NC + c]);
+                        acc[p * NC + c] = fmaf(f16_to_float(mm[c]), sm, a);
+                    }
+                    continue;
+                }
+                const uint8_t *blk = w + p * panel_stride + b * BLOCK_BYTES;
+                const uint16_t *sc = (const uint16_t *)(blk + KB * NC);
+                int32_t d[NC] = {0};
+                for (int j = 0; j < KB / 4; j++)
+                    for (int c = 0; c < NC; c++)
+                        for (int t = 0; t < 4; t++) d[c] += (int32_t)blk[j * 64 + 4 * c + t] * xr[4 * j + t];
+                for (int c = 0; c < NC; c++)
+                    acc[p * NC + c] = fmaf(s * f16_to_float(sc[c]), (float)(d[c] - 128 * xsum[i * nb + b]), acc[p * NC + c]);
+            }
+        }
+        store_row_act((char *)out + i * os * (bf16 ? 2 : 4), acc, ncols, bias, bf16);
+    }
+}
+#endif
+
+/* A tile with mr and np made constants, so its sums stay in registers. */
+static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
+                    int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, int mr, int np, int bf16,
+                    int fmt) {
+#define T(R, P)                                                                                 \
+    if (mr == (R) && np == (P)) {                                                               \
+        if (fmt == FMT_Q4)                                                                      \
+            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q4);  \
+        else                                                                                    \
+            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q8);  \
+        return;                                                                                 \
+    }
+    T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(1, 2) T(2, 2) T(3, 2) T(4, 2)
+#undef T
+}
+
+/* Returns 0, -1 where the workspace could not be allocated, -2 for shapes it does not take. */
+int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *out,
+                             int64_t out_stride, int64_t M, int64_t N, int64_t K, int bf16, int fmt, int num_threads) {
+    if (M < 0 || N < 0 || K < 1 || (fmt != FMT_Q8 && fmt != FMT_Q4)) return -2;
+    if (M == 0 || N == 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t nb = blocks_of(K), kp = nb * KB, P = panels_of(N), elem = bf16 ? 2 : 4;
+    int8_t *xq = malloc((size_t)(M * kp));
+    float *xs = malloc((size_t)(M * nb) * sizeof(float));
+    int32_t *xsum = malloc((size_t)(M * nb) * sizeof(int32_t));
+    if (xq == NULL || xs == NULL || xsum == NULL) {
+        free(xq), free(xs), free(xsum);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 65536)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * x_stride * elem, K, nb, bf16, xq + m * kp, xs + m * nb, xsum + m * nb);
+
+    /* Tiles of two panels share each x broadcast, which pays where a tile has several rows; with
+     * a few rows (decode) one panel a tile is faster (measured: ~9 % at SmolLM2's shapes, one row:
+     * one weight stream a thread instead of two). */
+    const int tp = M <= MR ? 1 : NP;
+    const int64_t units = (P + tp - 1) / tp, panel_stride = nb * block_bytes(fmt);
+    /* about 8 groups of tiles' panels a thread, so a decode's one row still keeps every thread
+     * busy */
+    int64_t group = units / (8 * (int64_t)num_threads);
+    group = group < 1 ? 1 : group > 8 ? 8 : group;
+    const int64_t ng = (units + group - 1) / group, mb = (M + BLOCK_M - 1) / BLOCK_M;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (ng * mb > 1)
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t bm = 0; bm < mb; bm++) {
+            const int64_t m1 = (bm + 1) * BLOCK_M < M ? (bm + 1) * BLOCK_M : M;
+            const int64_t q1 = (g + 1) * group < units ? (g + 1) * group : units;
+            for (int64_t q = g * group; q < q1; q++) {
+                const int64_t p = q * tp, n = p * NC;
+                const int np = P - p < tp ? (int)(P - p) : tp;
+                const int ncols = N - n < NC * np ? (int)(N - n) : NC * np;
+                for (int64_t m = bm * BLOCK_M; m < m1; m += MR) {
+                    const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
+                    tile_of(xq + m * kp, xs + m * nb, xsum + m * nb, nb, packed + p * panel_stride, panel_stride,
+                            bias == NULL ? NULL : (const char *)bias + n * elem,
+                            (char *)out + (m * out_stride + n) * elem, out_stride, ncols, mr, np, bf16, fmt);
+                }
+            }
+        }
+    free(xq), free(xs), free(xsum);
+    return 0;
+}
