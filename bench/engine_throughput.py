@@ -87,6 +87,14 @@ def workload(w: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, single
 
 
+def kv_cache_mib_for(w: dict, dtype_bytes: int) -> int:
+    """sluice's KV budget for a workload: every request at full length at once, plus the single
+    request (SmolLM2: 30 layers, 3 KV heads of 64)."""
+    per_token = 2 * 30 * 3 * 64 * dtype_bytes
+    tokens = (w["num_requests"] + 1) * (w["prompt_max"] + w["output_len"] + 16)
+    return max(64, -(-tokens * per_token // 2**20))
+
+
 def digest(prompts) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
 
@@ -258,11 +266,14 @@ def run_sluice(a) -> dict:
     t0 = time.perf_counter()
     kv_bytes = None if a.kv_cache_mib is None else a.kv_cache_mib << 20
     config = EngineConfig(
-        dtype=a.dtype, kv_cache_bytes=kv_bytes, deterministic=a.engine_deterministic
+        dtype=a.dtype,
+        kv_cache_bytes=kv_bytes,
+        deterministic=a.engine_deterministic,
+        quantization=a.quantization,
     )
     if a.max_num_batched_tokens:
         config.max_num_batched_tokens = a.max_num_batched_tokens
-    engine = LLMEngine(config=config)
+    engine = LLMEngine(a.model, config=config)
     load_s = time.perf_counter() - t0
     load_peak = rss_peak_mib()
     prompts, single = workload(w, engine.model_config.vocab_size)
@@ -503,11 +514,12 @@ def child(a) -> None:
         json.dump(result, f)
 
 
-def spawn(phase: str, a, w: dict, argv_extra: list[str]) -> dict:
+def spawn(phase: str, a, w: dict, argv_extra: list[str], script: str = __file__) -> dict:
+    """Run `script --phase phase` (this file's by default) in a subprocess; its JSON result."""
     out = RESULTS.parent / f".{phase}.{os.getpid()}.json"  # concurrent runs must not share it
     cmd = [
         sys.executable,
-        __file__,
+        script,
         "--phase",
         phase,
         "--out",
@@ -605,6 +617,9 @@ def main() -> None:
         "--phase", choices=sorted(set(PHASES) | set(SLUICE_PHASES)), help=argparse.SUPPRESS
     )
     p.add_argument("--engine-deterministic", action="store_true", help=argparse.SUPPRESS)
+    # the sluice phase on other weights (bench/peers.py): a GGUF file, int8 quantization
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--quantization", choices=["int8", "int4"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument(
@@ -648,12 +663,8 @@ def main() -> None:
     hf_bs = [b for b in (a.hf_batch_sizes or hf_bs) if b <= w["num_requests"]] or [
         w["num_requests"]
     ]
-    if a.kv_cache_mib is None:  # every request at full length at once, plus the single request
-        per_token = (
-            2 * 30 * 3 * 64 * (4 if a.dtype == "float32" else 2)
-        )  # SmolLM2: 30 layers, 3 KV heads of 64
-        tokens = (w["num_requests"] + 1) * (w["prompt_max"] + w["output_len"] + 16)
-        a.kv_cache_mib = max(64, -(-tokens * per_token // 2**20))
+    if a.kv_cache_mib is None:
+        a.kv_cache_mib = kv_cache_mib_for(w, 4 if a.dtype == "float32" else 2)
     w["prompt_tokens"] = sum(
         len(p) for p in workload(w, 49152)[0]
     )  # lengths do not depend on the vocab
