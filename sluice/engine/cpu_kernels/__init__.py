@@ -283,7 +283,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_block_int4_pack": (None, [ptr, ptr, ptr, i64, i64, ptr]),
         "sluice_block_int8_packed_bytes": (i64, [i64, i64]),
         "sluice_block_int8_pack": (None, [ptr, ptr, i64, i64, ptr]),
-        "sluice_block_int8_has_vnni": (i32, []),
+        "sluice_block_int8_dot_path": (i32, []),
         "sluice_block_int8_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():

@@ -7,11 +7,12 @@
  *     y[m][n] = sum over blocks b, in order, of  (xs[m][b] * ws[n][b]) * dot_b(xq[m], wq[n])
  * one float32 fused multiply-add a block, then the bias, then one rounding to bfloat16 for a
  * bfloat16 output. Every build computes exactly these float operations in this order, so the
- * AVX512-VNNI code and the portable one give the same bits.
+ * AVX512-VNNI code, the AVX2 code and the portable one give the same bits.
  *
  * With AVX512-VNNI one VPDPBUSD multiplies 64 pairs of unsigned by signed bytes and adds them in
  * fours to 16 int32 lanes. The weights are its unsigned operand, stored as code + 128, so the
  * dot product it gives is dot_b + 128 * sum_b(xq), and that sum is taken off again per block.
+ * AVX2 (no VNNI) takes the signed codes back (byte ^ 0x80) and multiplies in pairs (`dot4`).
  *
  * Packed layout (`sluice_block_int8_pack`): panels of 16 output columns; in panel p, block b is 8
  * quads j of 64 bytes, byte 4c + i of quad j = W[16p + c][32b + 4j + i] + 128, followed by the 16
@@ -40,6 +41,12 @@
 #else
 #define HAVE_VNNI 0
 #endif
+#if !HAVE_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SLUICE_NO_AVX2)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#else
+#define HAVE_AVX2 0
+#endif
 
 #define KB 32                              /* k of a block */
 #define NC 16                              /* columns of a panel */
@@ -55,7 +62,8 @@
 static inline int64_t blocks_of(int64_t k) { return (k + KB - 1) / KB; }
 static inline int64_t panels_of(int64_t n) { return (n + NC - 1) / NC; }
 
-int sluice_block_int8_has_vnni(void) { return HAVE_VNNI; }
+/* Which dot-product code this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable (the same bits). */
+int sluice_block_int8_dot_path(void) { return HAVE_VNNI ? 2 : HAVE_AVX2 ? 1 : 0; }
 
 static inline int64_t block_bytes(int fmt) { return fmt == FMT_Q4 ? Q4_BLOCK_BYTES : BLOCK_BYTES; }
 
@@ -249,8 +257,91 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
         store_row_act((char *)out + i * os * (bf16 ? 2 : 4), row, ncols, bias, bf16);
     }
 }
+#elif HAVE_AVX2
+/* Eight int32 sums of four byte products each (columns c of one half panel): VPMADDUBSW takes
+ * unsigned by signed bytes into pairs of int16 and VPMADDWD adds the pairs. The pairs never
+ * saturate: a Q8 code meets |x| with x's sign moved onto it (|q| and |x| <= 127, so a pair is at
+ * most 2 * 127 * 127), and a Q4 code (0..15) meets x as it is. */
+static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* mr rows of quantized x against np panels, each panel as two halves of 8 columns. */
+static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
+                                                       const uint8_t *w, int64_t panel_stride, const void *bias,
+                                                       void *out, int64_t os, int ncols, const int mr, const int np,
+                                                       int bf16, const int fmt) {
+    __m256 acc[MR][NP * 2];
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2 * np; h++) acc[i][h] = _mm256_setzero_ps();
+    const int64_t kp = nb * KB;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i d[MR][NP * 2];
+        for (int i = 0; i < mr; i++)
+            for (int h = 0; h < 2 * np; h++) d[i][h] = _mm256_setzero_si256();
+        if (fmt == FMT_Q4) {
+            const uint8_t *blk = w + b * Q4_BLOCK_BYTES;
+            const __m256i low = _mm256_set1_epi8(0x0f);
+            for (int j = 0; j < KB / 8; j++)
+                for (int h = 0; h < 2 * np; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (h / 2) * panel_stride + j * 64 +
+                                                                           (h % 2) * 32));
+                    const __m256i lo = _mm256_and_si256(v, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int i = 0; i < mr; i++) {
+                        int32_t qa, qb;
+                        memcpy(&qa, xq + i * kp + b * KB + 4 * j, 4);
+                        memcpy(&qb, xq + i * kp + b * KB + 16 + 4 * j, 4);
+                        d[i][h] = dot4(d[i][h], lo, _mm256_set1_epi32(qa));
+                        d[i][h] = dot4(d[i][h], hi, _mm256_set1_epi32(qb));
+                    }
+                }
+            for (int h = 0; h < 2 * np; h++) {
+                const uint8_t *sc = blk + (h / 2) * panel_stride + KB * NC / 2 + (h % 2) * 16;
+                const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+                const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * NC)));
+                for (int i = 0; i < mr; i++) {
+                    const float sx = xs[i * nb + b];
+                    const __m256 s = _mm256_set1_ps(sx), sm = _mm256_set1_ps(sx * (float)xsum[i * nb + b]);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, wd), _mm256_cvtepi32_ps(d[i][h]), acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(wm, sm, acc[i][h]);
+                }
+            }
+            continue;
+        }
+        const uint8_t *blk = w + b * BLOCK_BYTES;
+        const __m256i flip = _mm256_set1_epi8((char)0x80); /* code + 128 -> the signed code */
+        for (int j = 0; j < KB / 4; j++) {
+            __m256i xa[MR], xv[MR];
+            for (int i = 0; i < mr; i++) {
+                int32_t quad;
+                memcpy(&quad, xq + i * kp + b * KB + 4 * j, 4);
+                xv[i] = _mm256_set1_epi32(quad);
+                xa[i] = _mm256_sign_epi8(xv[i], xv[i]);
+            }
+            for (int h = 0; h < 2 * np; h++) {
+                const __m256i q = _mm256_xor_si256(
+                    _mm256_loadu_si256((const __m256i *)(blk + (h / 2) * panel_stride + j * 64 + (h % 2) * 32)), flip);
+                for (int i = 0; i < mr; i++) d[i][h] = dot4(d[i][h], xa[i], _mm256_sign_epi8(q, xv[i]));
+            }
+        }
+        for (int h = 0; h < 2 * np; h++) {
+            const uint8_t *sc = blk + (h / 2) * panel_stride + KB * NC + (h % 2) * 16;
+            const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+            for (int i = 0; i < mr; i++) {
+                const __m256 s = _mm256_set1_ps(xs[i * nb + b]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, ws), _mm256_cvtepi32_ps(d[i][h]), acc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float row[NC * NP];
+        for (int h = 0; h < 2 * np; h++) _mm256_storeu_ps(row + h * 8, acc[i][h]);
+        store_row_act((char *)out + i * os * (bf16 ? 2 : 4), row, ncols, bias, bf16);
+    }
+}
 #else
-/* The same sums without VNNI: each block's dot product in int32, then the same float steps. */
+/* The same sums without SIMD: each block's dot product in int32, then the same float steps. */
 static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
                         int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
                         const int np, int bf16, const int fmt) {
@@ -330,7 +421,7 @@ int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *pac
     /* Tiles of two panels share each x broadcast, which pays where a tile has several rows; with
      * a few rows (decode) one panel a tile is faster (measured: ~9 % at SmolLM2's shapes, one row:
      * one weight stream a thread instead of two). */
-    const int tp = M <= MR ? 1 : NP;
+    const int tp = M <= MR || !HAVE_VNNI ? 1 : NP; /* AVX2 has half the registers: one panel */
     const int64_t units = (P + tp - 1) / tp, panel_stride = nb * block_bytes(fmt);
     /* about 8 groups of tiles' panels a thread, so a decode's one row still keeps every thread
      * busy */

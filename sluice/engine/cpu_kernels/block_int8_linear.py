@@ -1,7 +1,7 @@
 """x @ W.T (+ bias) for quantized weights multiplied as stored (`block_int8_linear.c`): codes in
 blocks of 32 along K, activations quantized to int8 per block of 32 in the call, each block's dot
-product exact in int32 (AVX512-VNNI where the CPU has it, the same bits without); no float copy of
-the weights is ever made. Two weight formats, GGUF's:
+product exact in int32 (AVX512-VNNI or AVX2 where the CPU has them, the same bits without); no
+float copy of the weights is ever made. Two weight formats, GGUF's:
 
 - int8 (Q8_0): w = d * q, q in -127..127, one float16 d a block: 8.5 bits a weight;
 - int4 (Q4_1): w = d * q + m, q in 0..15, float16 d and m a block: 5 bits a weight.
@@ -162,9 +162,18 @@ def block_int8_rows(weight: BlockInt8Weight, ids: torch.Tensor, dtype: torch.dty
     return out.view(*ids.shape, weight.k)
 
 
+DOT_PATHS = ("portable", "avx2", "avx512-vnni")  # as sluice_block_int8_dot_path numbers them
+
+
+def dot_path() -> str:
+    """The instructions the loaded kernels take the blocks' dot products with (all give the same
+    bits): "avx512-vnni", "avx2", or "portable" C."""
+    return DOT_PATHS[require_library().sluice_block_int8_dot_path()]
+
+
 def has_vnni() -> bool:
-    """Whether the loaded kernels multiply with AVX512-VNNI (else the portable code, same bits)."""
-    return bool(require_library().sluice_block_int8_has_vnni())
+    """Whether the loaded kernels multiply with AVX512-VNNI."""
+    return dot_path() == "avx512-vnni"
 
 
 def block_int8_linear(

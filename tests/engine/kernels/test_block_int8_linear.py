@@ -21,7 +21,7 @@ from sluice.engine.cpu_kernels.block_int8_linear import (
     block_int8_rows,
     dequantize_blocks,
     dequantize_q4_blocks,
-    has_vnni,
+    dot_path,
     pack_blocks,
     pack_q4_blocks,
     quantize_blocks,
@@ -233,7 +233,17 @@ def test_rows_read_back_from_the_packed_matrix_are_the_dequantized_weight(dtype)
         block_int8_rows(packed, torch.tensor([131]), dtype)
 
 
-def test_the_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "flags,paths",
+    [
+        ("-DSLUICE_NO_VNNI", ("avx2", "portable")),
+        ("-DSLUICE_NO_VNNI -DSLUICE_NO_AVX2", ("portable",)),
+    ],
+    ids=["avx2-where-present", "portable"],
+)
+def test_builds_without_the_faster_instructions_give_the_same_bits(
+    monkeypatch, tmp_path, flags, paths
+):
     wanted = {
         (shape, dtype, fn): fn(*shape, dtype, rows=40)
         for shape in SHAPES
@@ -242,9 +252,9 @@ def test_the_portable_build_gives_the_same_bits(monkeypatch, tmp_path):
     }
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("SLUICE_NATIVE_CFLAGS", "-DSLUICE_NO_VNNI")
+    monkeypatch.setenv("SLUICE_NATIVE_CFLAGS", flags)
     assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
-    assert not has_vnni()
+    assert dot_path() in paths
     for (shape, dtype, fn), want in wanted.items():
         assert torch.equal(fn(*shape, dtype, rows=40), want), (shape, dtype, fn.__name__)
 
