@@ -26,12 +26,33 @@
 
 #include "simd.h"
 
-#define NR 32 /* columns of a panel: two 16-float vectors */
+#define NR 32 /* columns of a panel */
 #if defined(__AVX512F__)
 #define MR 6 /* rows of a tile: 12 sums, 2 weight vectors and a broadcast in 32 registers */
+#define VW 16 /* floats a vector */
+typedef v16f vf;
+static inline vf load_vf(const float *p) { return load16(p); }
+static inline vf widen_vf(const uint16_t *p) { return widen16(p); }
 #else
-#define MR 2 /* 16 AVX2 registers */
+/* AVX2: 8-float vectors, as the registers are (16-float ones in 16 registers went through the
+ * stack: ~10x slower); a row's sums take the same steps either way, so the same bits */
+#define MR 3 /* 12 sums, 4 weight vectors (one reloaded) and a broadcast */
+#define VW 8
+typedef float vf __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+static inline vf load_vf(const float *p) {
+    vf x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline vf widen_vf(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, v8u) << 16);
+}
 #endif
+#define NV (NR / VW) /* vectors a panel row */
 #define BLOCK_M (MR * 16)
 
 static inline int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
@@ -72,16 +93,17 @@ static inline uint32_t word_at(const uint16_t *p) {
 static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs, const void *wp, int64_t K,
                                                        const void *bias, void *out, int64_t os, int ncols,
                                                        const int mr, const int bf16) {
-    v16f acc[MR][2];
-    for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = (v16f){0};
+    vf acc[MR][NV];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};
     if (!bf16) {
         const float *xf = (const float *)x, *w = (const float *)wp;
         for (int64_t k = 0; k < K; k++) {
-            const v16f w0 = load16(w + k * NR), w1 = load16(w + k * NR + 16);
+            vf wv[NV];
+            for (int v = 0; v < NV; v++) wv[v] = load_vf(w + k * NR + v * VW);
             for (int i = 0; i < mr; i++) {
                 const float xv = xf[i * xs + k];
-                acc[i][0] += xv * w0;
-                acc[i][1] += xv * w1;
+                for (int v = 0; v < NV; v++) acc[i][v] += xv * wv[v];
             }
         }
     } else {
@@ -104,19 +126,18 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
 #undef PAIR_STEP
 #else
         for (int64_t k = 0; k < K; k++) {
-            const v16f w0 = widen16(w + k * NR), w1 = widen16(w + k * NR + 16);
+            vf wv[NV];
+            for (int v = 0; v < NV; v++) wv[v] = widen_vf(w + k * NR + v * VW);
             for (int i = 0; i < mr; i++) {
                 const float xv = bf16_to_float(xh[i * xs + k]);
-                acc[i][0] += xv * w0;
-                acc[i][1] += xv * w1;
+                for (int v = 0; v < NV; v++) acc[i][v] += xv * wv[v];
             }
         }
 #endif
     }
     for (int i = 0; i < mr; i++) {
         float row[NR];
-        store16(row, acc[i][0]);
-        store16(row + 16, acc[i][1]);
+        memcpy(row, acc[i], sizeof row);
         store_row_act((char *)out + i * os * (bf16 ? 2 : 4), row, ncols, bias, bf16);
     }
 }
