@@ -7,6 +7,9 @@ norm (`KernelOps.add_rmsnorm`), which is where the fused kernels save a pass ove
 states. Norms follow HF's RMSNorm exactly (float32 statistics, cast back, then scale), so float32
 logits match transformers to ~1e-6.
 
+A kernel family may run the whole stack of layers in one call instead (`KernelOps.run_layers`:
+the native family's C stack for weights packed for its kernels), with the same results.
+
 The weights come from `loader` (tensor names and shapes are the loader's business) and may be
 transformed after building (packed for oneDNN, quantized: `weights.transform_weights`).
 """
@@ -115,9 +118,13 @@ class CausalLM(nn.Module):
         ops = self.ops
         x = self.embed_tokens(input_ids)
         rope = ops.rotary_tables(self.rotary, plan.positions, x.dtype)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, plan, cache, ops)
+        stacked = ops.run_layers(self.layers, x, rope, plan, kv_caches)
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, rope, plan, cache, ops)
         return ops.add_rmsnorm(x, residual, self.norm, self.eps)[0]
 
     @torch.inference_mode()

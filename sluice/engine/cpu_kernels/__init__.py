@@ -35,6 +35,7 @@ SOURCES = (
     "kv_write.c",
     "fixed_order_linear.c",
     "block_int8_linear.c",
+    "decoder_layers.c",
 )
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps

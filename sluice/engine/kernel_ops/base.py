@@ -15,7 +15,7 @@ attention kernels precompute, once for all layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -93,6 +93,19 @@ class KernelOps(ABC):
     @abstractmethod
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """x @ W.T (+ bias) for a weight in any of the forms of `weights` (plain, packed, int8)."""
+
+    def run_layers(
+        self,
+        layers: Iterable[nn.Module],
+        x: torch.Tensor,
+        rope: RopeTables,
+        plan: StepPlan,
+        caches: Sequence[LayerKVCache],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole stack of decoder layers in one call, where the family has one for these
+        weights and this step: (x, residual) as the layers one by one would give them. None: the
+        model runs the layers one by one."""
+        return None
 
     @abstractmethod
     def draw(

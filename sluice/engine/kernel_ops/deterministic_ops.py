@@ -45,6 +45,7 @@ class DeterministicOps(NativeOps):
     weight_layout = "fixed-order"
 
     def __init__(self) -> None:
+        super().__init__()
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the rotary
 
     def check(self, spec: AttentionSpec) -> None:

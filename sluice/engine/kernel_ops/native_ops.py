@@ -2,7 +2,9 @@
 `cpu_kernels` for the KV write, decode and prefill attention on the cache in place (float32 or
 bfloat16 models, on a cache of the model's type or an int8 one, read directly), RMSNorm with the
 residual add, rotary and SiLU-and-multiply, int8 weights multiplied as stored
-(`block_int8_linear`); torch (oneDNN) for the float matmuls, and the sampler.
+(`block_int8_linear`); torch (oneDNN) for the float matmuls, and the sampler. Where every matmul
+weight is packed for a C kernel (int8 or int4 weights), a step's whole stack of layers is one C
+call (`decoder_layers`: the same kernels, the same bits, no Python between them).
 
 Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
 takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
@@ -17,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from ..cpu_kernels import kv_write, paged_decode, paged_prefill
+from ..cpu_kernels.decoder_layers import LayerStack
 from ..cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
 from ..paged_cache import LayerKVCache
 from ..step_plan import AttentionSpec, StepPlan, decode_rows, prefill_rows
@@ -41,6 +44,10 @@ def c_attention_served(spec: AttentionSpec) -> tuple[bool, bool]:
 class NativeOps(TorchOps):
     name = "native"
     int8_format = "blocks"  # multiplied as stored by `cpu_kernels.block_int8_linear`
+
+    def __init__(self) -> None:
+        # by id of the model's layer list: its layers as one C call, or None where they cannot be
+        self._stacks: dict[int, LayerStack | None] = {}
 
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
         served, prefill_served = c_attention_served(spec)
@@ -99,6 +106,16 @@ class NativeOps(TorchOps):
                 cache.v_scale,
             )
         return out
+
+    def run_layers(self, layers, x, rope, plan: StepPlan, caches):
+        # one C call for the stack where every matmul weight is packed for a C kernel
+        if c_attention_served(plan.spec) != (True, True):
+            return None
+        key = id(layers)
+        if key not in self._stacks:
+            self._stacks[key] = LayerStack.of(layers)
+        stack = self._stacks[key]
+        return None if stack is None else stack.run(x, plan, caches, rope)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return add_rmsnorm_native(x, residual, weight, eps)

@@ -1,0 +1,104 @@
+"""A single request's decode, the decoder layers as one native call against layer by layer.
+
+The native family runs a step's whole stack of layers in one C call where every matmul weight is
+packed for its kernels (`cpu_kernels/decoder_layers.c`: int8 or int4 weights). This times one
+request (a 40-token prompt, then 64 greedy tokens) both ways in one engine, the two interleaved
+round by round (this machine's speed drifts), and reports the medians and their ratio.
+
+    .venv/bin/python bench/layer_stack.py --quantization int4 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+RESULTS = ROOT / "bench" / "results" / "layer_stack.json"
+
+from engine_throughput import cpu_model  # noqa: E402
+
+from sluice.engine import LLMEngine  # noqa: E402
+from sluice.engine.config import EngineConfig  # noqa: E402
+from sluice.engine.cpu_kernels.block_int8_linear import dot_path  # noqa: E402
+from sluice.engine.kernel_ops.native_ops import NativeOps  # noqa: E402
+from sluice.engine.sampling_params import SamplingParams  # noqa: E402
+
+MODES = ("one call", "layer by layer")
+
+
+def decode_ms_per_token(engine: LLMEngine, request: int, output_len: int) -> float:
+    """ms per decode step of one request, its prefill left out."""
+    params = SamplingParams(max_tokens=output_len + 1, temperature=0.0, ignore_eos=True)
+    prompt = [100 + (request * 7 + j) % 3000 for j in range(40)]
+    engine.add_request(f"r{request}", prompt_token_ids=prompt, params=params)
+    engine.step()  # the prefill and the first token
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return 1000 * (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quantization", choices=["int8", "int4"], default="int4")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--json", type=Path, default=RESULTS)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        dtype=args.dtype, quantization=args.quantization, kv_cache_bytes=256 << 20
+    )
+    engine = LLMEngine(config=config)
+    one_call = NativeOps.run_layers
+    run_layers = {MODES[0]: one_call, MODES[1]: lambda self, *a: None}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    decode_ms_per_token(engine, -1, args.output_len)  # warm-up
+    for r in range(args.rounds):
+        for mode in MODES if r % 2 == 0 else MODES[::-1]:
+            NativeOps.run_layers = run_layers[mode]  # type: ignore[method-assign]
+            times[mode].append(
+                decode_ms_per_token(engine, 2 * r + len(times[mode]), args.output_len)
+            )
+            print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1]:.2f} ms/token", flush=True)
+    NativeOps.run_layers = one_call  # type: ignore[method-assign]
+    medians = {m: statistics.median(v) for m, v in times.items()}
+    cpu = cpu_model()
+    print(
+        f"\n{cpu}, {args.threads} threads, dot path {dot_path()}; {args.quantization} weights, "
+        f"{args.dtype} activations, batch 1"
+    )
+    print("| layers | ms/token (median) | x one call |\n|---|---|---|")
+    for m in MODES:
+        print(f"| {m} | {medians[m]:.2f} | {medians[m] / medians[MODES[0]]:.2f} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "cpu": cpu,
+                "threads": args.threads,
+                "dot_path": dot_path(),
+                "quantization": args.quantization,
+                "dtype": args.dtype,
+                "ms_per_token": times,
+                "median": medians,
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

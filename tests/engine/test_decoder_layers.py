@@ -1,0 +1,86 @@
+"""The decoder layers in one native call (`cpu_kernels.decoder_layers`) give the bits of the
+layer-by-layer path: the same sampled tokens and the same logprobs, exactly, over chunked
+prefills, mixed prefill/decode steps, prefix-cache hits and random batch mates, for int8 and int4
+weights in float32 and bfloat16, an int8 KV cache, attention and o_proj biases, a sliding window,
+and deterministic mode's fixed-order weights. Each case also checks that the one call really ran
+(and the layer-by-layer path really did not)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from _hf_models import build
+from test_engine_kernels import engine
+
+from sluice.engine.cpu_kernels.decoder_layers import LayerStack
+from sluice.engine.kernel_ops.native_ops import NativeOps
+from sluice.engine.sampling_params import SamplingParams
+
+D64 = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+CASES = {
+    "llama-int8": ("llama", {}, dict(quantization="int8")),
+    "llama-int4-bf16": ("llama", {}, dict(quantization="int4", dtype="bfloat16")),
+    "llama-int8-int8kv": ("llama", {}, dict(quantization="int8", kv_cache_dtype="int8")),
+    "qwen2-bias-int4": ("qwen2", {"tie_word_embeddings": True}, dict(quantization="int4")),
+    "mistral-window-int8": ("mistral", {"sliding_window": 24}, dict(quantization="int8")),
+    "deterministic-float32": ("llama", {}, dict(deterministic=True)),
+    "deterministic-bf16-int4": (
+        "llama",
+        {},
+        dict(deterministic=True, dtype="bfloat16", quantization="int4"),
+    ),
+}
+
+
+def _requests(vocab: int, seed: int = 0):
+    """Prompts of 5..70 tokens sharing a 32-token prefix in pairs, each sampled with its seed."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(32)]
+    prompts = []
+    for i in range(10):
+        own = [rng.randrange(vocab) for _ in range(rng.randrange(5, 40))]
+        prompts.append((shared + own) if i % 2 else own)
+    params = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=10, ignore_eos=True, logprobs=2)
+        for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
+def _outputs(e):
+    prompts, params = _requests(e.model_config.vocab_size)
+    results = e.generate(prompt_token_ids=prompts, params=params)
+    again = e.generate(prompt_token_ids=prompts[1::2], params=params[1::2])  # prefix hits
+    assert sum(r.usage.cached_tokens for r in again) >= 32 * len(again)
+    return [(r.token_ids, r.samples[0].logprobs) for r in results + again]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
+    kind, overrides, config = CASES[name]
+    build(kind, **{**D64, **overrides}).save_pretrained(tmp_path)
+    config = dict(block_size=16, max_num_batched_tokens=48, device="cpu", **config)
+    calls = {"stack": 0}
+    run = LayerStack.run
+
+    def counted(self, *args):
+        calls["stack"] += 1
+        return run(self, *args)
+
+    monkeypatch.setattr(LayerStack, "run", counted)
+    stacked = _outputs(engine(tmp_path, "native", **config))
+    assert calls["stack"] > 0, "the one call never ran"
+
+    monkeypatch.setattr(NativeOps, "run_layers", lambda self, *a: None)
+    calls["stack"] = 0
+    layered = _outputs(engine(tmp_path, "native", **config))
+    assert calls["stack"] == 0
+    assert stacked == layered
+
+
+def test_float_weights_stay_on_the_layer_by_layer_path(tmp_path):
+    """oneDNN-packed float weights are multiplied by torch: no one call for them."""
+    build("llama", **D64).save_pretrained(tmp_path)
+    e = engine(tmp_path, "native", block_size=16, device="cpu")
+    assert LayerStack.of(e.runner.model.layers) is None
