@@ -87,13 +87,6 @@ def _weight(layer: torch.nn.Module) -> _Weight | None:
     return _Weight(packed.data.data_ptr(), None if bias is None else bias.data_ptr(), kind)
 
 
-def _declare(lib: ctypes.CDLL) -> Any:
-    fn = lib.sluice_decoder_layers
-    fn.restype = _i32
-    fn.argtypes = [ctypes.POINTER(_Layer), _i32, ctypes.POINTER(_Step), _ptr, _ptr, _ptr, _ptr]
-    return fn
-
-
 class LayerStack:
     """A model's decoder layers (`model.DecoderLayer`) as one native call."""
 
@@ -106,7 +99,6 @@ class LayerStack:
         self.inter = first.down.packed.k
         self.eps, self.scale = first.eps, first.scale
         self._table: tuple[tuple[int, ...], ctypes.Array] | None = None  # by the caches' addresses
-        self._fn = _declare(require_library())
 
     @classmethod
     def of(cls, layers: Iterable[Any]) -> LayerStack | None:
@@ -190,7 +182,7 @@ class LayerStack:
             s.prefill_starts, s.prefill_q_lens = starts.data_ptr(), q_lens.data_ptr()
             s.prefill_seq_lens, s.prefill_block_tables = lens.data_ptr(), bt.data_ptr()
         x_out, res_out = torch.empty_like(x), torch.empty_like(x)
-        rc = self._fn(
+        rc = require_library().sluice_decoder_layers(
             self._layers(caches),
             len(self.layers),
             ctypes.byref(s),
