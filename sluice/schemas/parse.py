@@ -11,6 +11,9 @@ stops a partition, it becomes an error event.
   ``invalid_request``, with a message such as ``"max_tokens: must be >= 1 (got 0)"`` and the
   dotted path of the first bad field in ``field``.
 
+An object with a ``model`` field is an OpenAI Chat Completions or Completions request
+(``openai_request.py``): checked as that shape, then mapped onto ours and checked as ours.
+
 The error event's ``request_id`` (and ``session_id``) are filled whenever they can be read from the
 JSON, even if other fields are bad, so the error can go to the client's reply stream; when no
 request id can be read, the event carries the raw bytes (base64) for the dead-letter topic.
@@ -29,6 +32,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from .events import EVENT_TYPES, ErrorCode, ErrorEvent, OutputEvent
+from .openai_request import ChatMessage, openai_shape
 from .request import GenerateRequest, _request_id, _session_id, _topic
 from .version import SCHEMA_VERSION, SUPPORTED_VERSIONS
 
@@ -39,11 +43,15 @@ _GOT_LIMIT = 60
 class RequestRejected(ValueError):
     """A message that is not a valid request; ``event`` is the error event to publish."""
 
-    def __init__(self, event: ErrorEvent, reply_topic: str | None = None) -> None:
+    def __init__(
+        self, event: ErrorEvent, reply_topic: str | None = None, event_format: str | None = None
+    ) -> None:
         super().__init__(f"{event.code}: {event.message}")
         self.event = event
         self.reply_topic = reply_topic
         """The request's reply topic, when it could be read and is valid."""
+        self.event_format = event_format
+        """The event format the request asked for (openai for an OpenAI shape), if readable."""
 
     @property
     def code(self) -> str:
@@ -157,7 +165,7 @@ _TYPE_REASONS = {
 }
 
 
-def _reason(err: ErrorDetails) -> str:
+def _reason(err: ErrorDetails, shape: type[BaseModel]) -> str:
     """The reason of one pydantic error, in the words of the wire format."""
     kind = err["type"]
     ctx = err.get("ctx") or {}
@@ -165,10 +173,13 @@ def _reason(err: ErrorDetails) -> str:
         return _TYPE_REASONS[kind]
     if kind == "extra_forbidden":
         name = _utf8_safe(str(err["loc"][-1])) if err["loc"] else ""
-        known = _known_fields(err["loc"][:-1])
+        known = _known_fields(err["loc"][:-1], shape)
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        return f"unknown field (not in schema version {SCHEMA_VERSION}){hint}"
+        where = f"schema version {SCHEMA_VERSION}"
+        if shape is not GenerateRequest:
+            where = "the OpenAI request fields sluice reads"
+        return f"unknown field (not in {where}){hint}"
     if kind == "greater_than_equal":
         return f"must be >= {ctx['ge']}"
     if kind == "greater_than":
@@ -187,18 +198,22 @@ def _reason(err: ErrorDetails) -> str:
         return "must not be empty" if n == 1 else f"must have at least {n} items"
     if kind == "too_long":
         return f"must have at most {ctx['max_length']} items"
+    if kind in ("unsupported_field", "content_type", "prompt_type"):
+        return str(err["msg"])
     if kind == "literal_error":
         return f"must be one of {ctx['expected']}"
     msg = str(err.get("msg", kind))
     return msg[:1].lower() + msg[1:]
 
 
-def _known_fields(parent: tuple[Any, ...]) -> list[str]:
-    """Field names of the model at ``parent`` (for 'did you mean' hints)."""
+def _known_fields(parent: tuple[Any, ...], shape: type[BaseModel]) -> list[str]:
+    """Field names of the model at ``parent`` in ``shape`` (for 'did you mean' hints)."""
     if not parent:
-        return list(GenerateRequest.model_fields)
+        return list(shape.model_fields)
     if parent[0] == "messages":
-        return ["role", "content"]
+        return (
+            list(ChatMessage.model_fields) if shape is not GenerateRequest else ["role", "content"]
+        )
     return []
 
 
@@ -209,7 +224,9 @@ def _field_of(err: ErrorDetails) -> str | None:
     return (err.get("ctx") or {}).get("field")
 
 
-def _error_from_validation(exc: ValidationError, request_id: str | None) -> ErrorEvent:
+def _error_from_validation(
+    exc: ValidationError, request_id: str | None, shape: type[BaseModel]
+) -> ErrorEvent:
     errors = exc.errors(include_url=False)
     code = ErrorCode.INVALID_REQUEST
     parts = []
@@ -219,7 +236,7 @@ def _error_from_validation(exc: ValidationError, request_id: str | None) -> Erro
         field = _field_of(err)
         got = "" if err["type"] in ("missing", "extra_forbidden") else _got(err.get("input"))
         prefix = f"{field}: " if field else ""
-        parts.append(f"{prefix}{_reason(err)}{got}")
+        parts.append(f"{prefix}{_reason(err, shape)}{got}")
     if len(errors) > MAX_ERRORS_IN_MESSAGE:
         parts.append(f"and {len(errors) - MAX_ERRORS_IN_MESSAGE} more")
     return ErrorEvent(
@@ -238,21 +255,26 @@ def _reject(
     field: str | None = None,
     obj: dict[str, Any] | None = None,
 ) -> RequestRejected:
-    request_id = session_id = reply_topic = None
+    request_id = session_id = reply_topic = event_format = None
     if obj is not None:
         request_id = _readable(obj, "request_id", _request_id)
         session_id = _readable(obj, "session_id", _session_id)
         reply_topic = _readable(obj, "reply_topic", _topic)
+        event_format = _event_format(obj)
     event = ErrorEvent(
         request_id=request_id, session_id=session_id, code=code, message=message, field=field
     )
-    return _finish(event, data, reply_topic)
-
-
-def _finish(event: ErrorEvent, data: bytes, reply_topic: str | None) -> RequestRejected:
     if event.request_id is None:  # goes to the dead-letter topic: keep the evidence
         event = event.with_raw(data)
-    return RequestRejected(event, reply_topic)
+    return RequestRejected(event, reply_topic, event_format)
+
+
+def _event_format(obj: dict[str, Any]) -> str | None:
+    """The event format a request asks for, as far as it can be read."""
+    named = obj.get("event_format")
+    if named in ("sluice", "openai"):
+        return str(named)
+    return "openai" if openai_shape(obj) is not None else None
 
 
 def decode_request(raw: bytes | bytearray | memoryview | str) -> GenerateRequest:
@@ -282,15 +304,19 @@ def decode_request(raw: bytes | bytearray | memoryview | str) -> GenerateRequest
             field="schema_version",
             obj=obj,
         )
+    shape: type[BaseModel] | None = openai_shape(obj)
     try:
+        if shape is not None:  # mapped onto ours, then checked as ours
+            obj = shape.model_validate(obj).to_native()  # type: ignore[attr-defined]
+        shape = GenerateRequest
         return GenerateRequest.model_validate(obj)
     except ValidationError as exc:
         rejected = _reject(data, ErrorCode.INVALID_REQUEST, "", obj=obj)
-        detail = _error_from_validation(exc, rejected.event.request_id)
+        detail = _error_from_validation(exc, rejected.event.request_id, shape or GenerateRequest)
         event = rejected.event.model_copy(
             update={"code": detail.code, "message": detail.message, "field": detail.field}
         )
-        raise RequestRejected(event, rejected.reply_topic) from None
+        raise RequestRejected(event, rejected.reply_topic, rejected.event_format) from None
 
 
 _EVENT_ADAPTER: TypeAdapter[Any] = TypeAdapter(OutputEvent)

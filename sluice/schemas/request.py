@@ -281,6 +281,18 @@ class GenerateRequest(BaseModel):
         f"(at most {MAX_METADATA_BYTES} bytes serialized).",
     )
 
+    # how the answer is sent
+    stream: bool = Field(
+        True,
+        description="false: no token events, only the final one (which has the whole text).",
+    )
+    event_format: Literal["sluice", "openai"] | None = Field(
+        None,
+        description="The shape of this request's events: sluice's own, or OpenAI's "
+        "chat.completion(.chunk) / text_completion objects; null: the pipeline's "
+        "--event-format (requests in an OpenAI shape default to openai).",
+    )
+
     # ---- validators -------------------------------------------------------------------------
 
     @field_validator("schema_version")
