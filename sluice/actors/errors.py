@@ -38,4 +38,7 @@ def error_step(
         session_id=request.session_id,
         tenant=request.tenant,
         metadata=request.metadata,
+        stream=request.stream,
+        event_format=request.event_format,
+        chat=request.is_chat,
     )

@@ -26,7 +26,7 @@ from sluice.actors.transport import Sink
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.transactions import PartitionTransactions
-from sluice.schemas import ErrorEvent, RequestRejected, decode_request, encode
+from sluice.schemas import ErrorEvent, RequestRejected, decode_request, encode, openai_events
 from sluice.schemas.events import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Ingress:
         reply_topics: ReplyTopics | None = None,
         commit_interval_s: float = COMMIT_INTERVAL_S,
         answered: AnsweredInputs | None = None,
+        event_format: str = "sluice",
     ):
         self.consumer = consumer
         self.producer = producer
@@ -72,6 +73,7 @@ class Ingress:
         # delivered again (a crash before its offset was committed) is not answered twice.
         self.answered = answered
         self._acked: list[tuple[TopicPartition, int, str]] = []  # done, not yet known committed
+        self.event_format = event_format  # of an error event whose request does not choose
 
     async def run(self) -> None:
         """Consume until the consumer stops; commits finished records every second."""
@@ -96,16 +98,25 @@ class Ingress:
         try:
             body = self.decode(record.value or b"")
         except RequestRejected as rejected:
-            self._spawn(self._publish_error(record, rejected.event, rejected.reply_topic))
+            openai = (rejected.event_format or self.event_format) == "openai"
+            self._spawn(self._publish_error(record, rejected.event, rejected.reply_topic, openai))
             return
         except (ValidationError, ValueError) as exc:
             event = ErrorEvent(
                 code=ErrorCode.INTERNAL, message=f"malformed internal message: {exc}"
             )
-            self._spawn(self._publish_error(record, event, None))
+            self._spawn(self._publish_error(record, event, None, False))
             return
         ack = self._acker(record, _request_id_of(body))
-        await self.deliver(Envelope(body, ack, time.time(), origin, record.offset))
+        envelope = Envelope(
+            body,
+            ack,
+            received_at=time.time(),
+            published_at=record.timestamp / 1000 if record.timestamp >= 0 else None,
+            origin=origin,
+            offset=record.offset,
+        )
+        await self.deliver(envelope)
 
     def _acker(self, record: ConsumerRecord, request_id: str | None) -> Callable[[], None]:
         def ack() -> None:
@@ -127,10 +138,11 @@ class Ingress:
             await self.on_committed(passed)
 
     async def _publish_error(
-        self, record: ConsumerRecord, event: ErrorEvent, reply_topic: str | None
+        self, record: ConsumerRecord, event: ErrorEvent, reply_topic: str | None, openai: bool
     ) -> None:
         """Client-visible error for bad input: to the reply topic when the request id could be
-        read, else to the dead-letter topic with the raw bytes. Then the offset may be committed."""
+        read (as OpenAI's error object when `openai`), else to the dead-letter topic with the raw
+        bytes. Then the offset may be committed."""
         if reply_topic is not None and self.reply_topics is not None:
             if await self.reply_topics.check(reply_topic) is not None:
                 reply_topic = None  # not one to send to: the default stream instead
@@ -138,9 +150,10 @@ class Ingress:
             topic, key = reply_topic or self.tokens_topic, event.request_id
             event = event.model_copy(update={"seq": 0})
         else:
-            topic, key = self.dlq_topic, None
+            topic, key, openai = self.dlq_topic, None, False
             if event.raw is None:
                 event = event.with_raw(record.value or b"")
+        value = openai_events.dump(openai_events.error_object(event)) if openai else encode(event)
         log.info(
             "rejected input at %s[%d]@%d: %s: %s",
             record.topic,
@@ -153,10 +166,9 @@ class Ingress:
         try:
             if self.answered is not None and isinstance(self.producer, PartitionTransactions):
                 marker = self.answered.mark(origin, record.offset)
-                records = [*marker, (topic, key, encode(event))]
+                records = [*marker, (topic, key, value)]
                 await (await self.producer.send_together(origin, records))[-1]
             else:
-                value = encode(event)
                 await self.producer.send_and_wait(topic, key=key, value=value, origin=origin)
         except Exception:
             log.exception(

@@ -39,6 +39,7 @@ class TokenizedRequest(_Internal):
     history_messages: int = 0  # messages of the conversation before this turn
     history_tokens: int = 0  # prompt tokens that came from earlier turns of the session
     received_at: float  # unix time the request was read from Kafka (queue time starts here)
+    published_at: float | None = None  # unix time the client published it (its record's time)
 
 
 class StepMessage(_Internal):
@@ -47,6 +48,7 @@ class StepMessage(_Internal):
     request_id: str
     seq: int  # per request: 0, 1, 2, ...; the final or error message takes the next number
     index: int = 0
+    position: int = 0  # tokens of this completion before these
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
@@ -57,6 +59,9 @@ class StepMessage(_Internal):
     timings: Timings | None = None
     full_text: str | None = None  # on the final message
     choices: list[dict] | None = None  # on the final message when n > 1
+    # On the final message of a request that streams nothing but asked for logprobs: all of
+    # them, per completion (its one event carries them).
+    choice_logprobs: dict[int, list[TokenLogprob]] | None = None
     seed: int | None = None  # on the final message: the request's seed (or the one it was given)
     provenance: Provenance | None = None  # on the final message: what produced it
     # On a final delivered again whose events are committed already (exactly-once): publish
@@ -72,6 +77,11 @@ class StepMessage(_Internal):
     metadata: dict | None = None
     model: str = ""
     runner_id: str = ""
+    # How the request wants its events (see GenerateRequest.stream and .event_format).
+    stream: bool = True
+    event_format: str | None = None
+    chat: bool = False
+    created: int = 0  # unix second the request was published (OpenAI's `created`)
     # On the final message of a session's turn: the conversation to remember.
     session_messages: list[dict] | None = None
     session_token_ids: list[int] | None = None
@@ -85,6 +95,7 @@ class Envelope:
     body: TokenizedRequest | StepMessage | GenerateRequest
     ack: Ack = field(default=no_ack)
     received_at: float = 0.0
+    published_at: float | None = None  # the input record's timestamp (when the client sent it)
     # The input partition the work came from: with exactly-once delivery, what it causes to be
     # written goes into that partition's transaction.
     origin: TopicPartition | None = None
@@ -98,5 +109,10 @@ class Envelope:
     ) -> Envelope:
         """An envelope for work that follows from this one (same origin and arrival time)."""
         return Envelope(
-            body, self.ack if ack is None else ack, self.received_at, self.origin, self.offset
+            body,
+            self.ack if ack is None else ack,
+            self.received_at,
+            self.published_at,
+            self.origin,
+            self.offset,
         )

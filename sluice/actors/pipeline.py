@@ -86,6 +86,9 @@ class PipelineConfig:
     # A request being served this many times in a row when the process stopped, without getting
     # further, is dead-lettered instead of taken up again.
     max_crashes: int = 5
+    # The events of requests that do not name a format: "sluice" or "openai" (requests in an
+    # OpenAI shape name openai themselves, unless they say otherwise).
+    event_format: str = "sluice"
 
 
 class Pipeline:
@@ -213,6 +216,7 @@ class Pipeline:
             reply_topics=self.reply_topics,
             commit_interval_s=interval / 1000,
             answered=self.answered,
+            event_format=c.event_format,
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()
@@ -266,6 +270,7 @@ class Pipeline:
             metrics=self.metrics,
             dlq_topic=self.config.topics.dlq,
             answered=self.answered,
+            event_format=self.config.event_format,
             capacity=max(1024, 4 * self.config.max_in_flight),
         )
 

@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 RESTARTED = "the runner restarted while serving this request"
 
 
+def token_text(raw: bytes) -> str:
+    """A token's bytes as text; a piece of a character is written as OpenAI writes it,
+    'bytes:' and the bytes escaped (b'\\xe2\\x80' -> 'bytes:\\xe2\\x80')."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
 @dataclass
 class _Tracked:
     work: TokenizedRequest
@@ -51,6 +60,8 @@ class _Tracked:
     record: Progress | None = None  # what the progress log holds of it (with a progress log)
     origin: TopicPartition | None = None  # its input partition (see Envelope.origin)
     also_ack: list[Ack] = field(default_factory=list)  # copies of it delivered while it ran
+    # Every logprob entry, per completion, when its one event must carry them (no streaming).
+    logprobs: dict[int, list[TokenLogprob]] | None = None
 
     def ack_all(self) -> None:
         """Acknowledge the request, and every copy of it that came meanwhile."""
@@ -81,6 +92,7 @@ class RunnerActor(Actor):
         self.max_queue = max_queue
         self.metrics = metrics
         self.model_id = engine.model_id.rsplit("/", 1)[-1]
+        self._tokenizer = getattr(engine, "tokenizer", None)  # test engines may have none
         provenance = getattr(engine, "provenance", None)  # test engines may have none
         self.provenance = Provenance(**provenance.to_dict()) if provenance is not None else None
         self._tracked: dict[str, _Tracked] = {}
@@ -161,6 +173,8 @@ class RunnerActor(Actor):
             return
         request = work.request
         tracked = _Tracked(work, envelope.ack, time.time(), origin=envelope.origin)
+        if not request.stream and request.logprobs is not None:
+            tracked.logprobs = {}
         resume = None
         if record is not None:
             log.info(
@@ -174,6 +188,9 @@ class RunnerActor(Actor):
                 await self._resend(work, record, envelope.origin)
             tracked.seq = record.next_seq
             tracked.texts = record.texts()
+            if tracked.logprobs is not None:
+                for tokens in record.tokens:
+                    tracked.logprobs.setdefault(tokens.index, []).extend(tokens.logprobs or [])
             tracked.token_ids = record.resume()
             resume = record.resume()
             record.delivered_again()
@@ -283,10 +300,14 @@ class RunnerActor(Actor):
         self, work: TokenizedRequest, record: Progress, origin: TopicPartition | None
     ) -> None:
         """The token messages recorded for this request, sent again as they were."""
+        positions: dict[int, int] = {}
         for tokens in record.tokens:
+            position = positions.get(tokens.index, 0)
+            positions[tokens.index] = position + len(tokens.token_ids)
             message = StepMessage(
                 seq=tokens.seq,
                 index=tokens.index,
+                position=position,
                 token_ids=tokens.token_ids,
                 text=tokens.text,
                 logprobs=tokens.logprobs,
@@ -367,7 +388,10 @@ class RunnerActor(Actor):
             if tracked is None:
                 continue
             if out.new_token_ids or out.text:
-                messages.append((self._token_message(tracked, out), None, tracked))
+                message = self._token_message(tracked, out)
+                messages.append((message, None, tracked))
+                if tracked.logprobs is not None and message.logprobs:
+                    tracked.logprobs.setdefault(out.index, []).extend(message.logprobs)
             tracked.texts[out.index] = tracked.texts.get(out.index, "") + out.text
             tracked.token_ids.setdefault(out.index, []).extend(out.new_token_ids)
             if out.finished:
@@ -385,6 +409,17 @@ class RunnerActor(Actor):
         message = error_step(tracked.work.request, wire_code(exc), str(exc), exc.field)
         return [(message.model_copy(update={"seq": tracked.seq}), tracked.ack_all, tracked)]
 
+    def _spelling(self, token_id: int) -> dict:
+        """A token's text and bytes, for its logprob entry (none from a model without a
+        tokenizer)."""
+        if self._tokenizer is None:
+            return {}
+        table = self._tokenizer.token_bytes  # (made once, on first use)
+        if token_id >= len(table):
+            return {}
+        raw = table[token_id]
+        return {"token": token_text(raw), "bytes": list(raw)}
+
     def _echo(self, tracked: _Tracked) -> dict:
         return self._echo_of(tracked.work)
 
@@ -398,22 +433,29 @@ class RunnerActor(Actor):
             metadata=request.metadata,
             model=self.model_id,
             runner_id=self.runner_id,
+            stream=request.stream,
+            event_format=request.event_format,
+            chat=request.is_chat,
+            created=int(work.published_at or work.received_at),
         )
 
     def _token_message(self, tracked: _Tracked, out: StepOutput) -> StepMessage:
         logprobs = None
         if out.logprobs:
+            spell = self._spelling
             logprobs = [
                 TokenLogprob(
                     token_id=lp.token_id,
                     logprob=lp.logprob,
-                    top=[TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                    **spell(lp.token_id),
+                    top=[TopLogprob(token_id=t, logprob=v, **spell(t)) for t, v in lp.top],
                 )
                 for lp in out.logprobs
             ]
         message = StepMessage(
             seq=tracked.seq,
             index=out.index,
+            position=len(tracked.token_ids.get(out.index, [])),
             token_ids=out.new_token_ids,
             text=out.text,
             logprobs=logprobs,
@@ -473,6 +515,7 @@ class RunnerActor(Actor):
             timings=timings,
             full_text=tracked.texts.get(0, ""),
             choices=choices,
+            choice_logprobs=tracked.logprobs,
             seed=first.seed,
             provenance=self.provenance,
             failure=next((o.error for o in tracked.finals.values() if o.error), None),

@@ -7,7 +7,9 @@ to Redis, and the input record acknowledged, so its offset is committed only aft
 the request is durable.
 
 Text deltas, stop strings and usage are computed by the engine, which sees the tokens first; the
-streamer formats, publishes and records.
+streamer formats (as sluice's events or as OpenAI's objects: `schemas/openai_events.py`),
+publishes and records. A request that does not stream gets its final event alone; its token
+messages still carry the progress records written with them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.sessions import SessionStore
 from sluice.connectors.transactions import NotOwned, PartitionTransactions
-from sluice.schemas import ErrorEvent, FinalEvent, TokenEvent, encode
+from sluice.schemas import ErrorEvent, FinalEvent, TokenEvent, TokenLogprob, encode, openai_events
 from sluice.schemas.events import Choice, ErrorCode, Failure
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ class StreamerActor(Actor):
         metrics: Metrics | None = None,
         dlq_topic: str | None = None,
         answered: AnsweredInputs | None = None,
+        event_format: str = "sluice",
         name: str = "streamer",
         capacity: int = 1024,
     ):
@@ -47,6 +50,7 @@ class StreamerActor(Actor):
         self.sessions = sessions
         self.metrics = metrics
         self.dlq_topic = dlq_topic
+        self.event_format = event_format  # for requests that do not say (request.event_format)
         # Exactly-once: where requests answered by an error event alone are marked.
         self.answered = answered
         self._finishing: set[asyncio.Task] = set()
@@ -68,7 +72,12 @@ class StreamerActor(Actor):
         topic = message.reply_topic or self.tokens_topic
         if message.error is not None:
             event = message.error.model_copy(update={"seq": message.seq})
+            value = self._encode(message, event)
         elif not message.finished:
+            if not message.stream:  # its tokens go out on the final event alone
+                delivery = await self._send(envelope, topic, None)
+                self._after_token(envelope, delivery)
+                return
             event = TokenEvent(
                 request_id=message.request_id,
                 seq=message.seq,
@@ -78,11 +87,8 @@ class StreamerActor(Actor):
                 logprobs=message.logprobs,
                 session_id=message.session_id,
             )
-            delivery = await self._send(envelope, topic, encode(event))
-            if envelope.ack is not no_ack:  # one record per token message when roles run apart
-                self._track(self._ack_after(delivery, envelope))
-            else:
-                self._token_deliveries.setdefault(message.request_id, []).append(delivery)
+            delivery = await self._send(envelope, topic, self._encode(message, event))
+            self._after_token(envelope, delivery)
             return
         else:
             event = FinalEvent(
@@ -94,7 +100,13 @@ class StreamerActor(Actor):
                 timings=message.timings,
                 model=message.model,
                 text=message.full_text or "",
-                choices=[Choice(**c) for c in message.choices] if message.choices else None,
+                choices=[
+                    Choice(**c, logprobs=self._logprobs_of(message, c["index"]))
+                    for c in message.choices
+                ]
+                if message.choices
+                else None,
+                logprobs=None if message.choices else self._logprobs_of(message, 0),
                 seed=message.seed,
                 provenance=message.provenance,
                 error=Failure(code=ErrorCode.INTERNAL, message=message.failure)
@@ -103,7 +115,8 @@ class StreamerActor(Actor):
                 session_id=message.session_id,
                 metadata=message.metadata,
             )
-        delivery = await self._send(envelope, topic, encode(event))
+            value = self._encode(message, event)
+        delivery = await self._send(envelope, topic, value)
         if message.dead_letter is not None and self.dlq_topic is not None:
             letter = ErrorEvent(
                 request_id=message.request_id,
@@ -123,8 +136,38 @@ class StreamerActor(Actor):
             )
         self._track(self._finish_request(delivery, envelope))
 
-    async def _send(self, envelope: Envelope, topic: str, value: bytes) -> asyncio.Future:
-        """The message's event, with the records that must be written in one piece with it."""
+    def _encode(self, message: StepMessage, event: TokenEvent | FinalEvent | ErrorEvent) -> bytes:
+        """The event as the request wants it: sluice's own, or OpenAI's objects."""
+        if (message.event_format or self.event_format) != "openai":
+            return encode(event)
+        if isinstance(event, ErrorEvent):
+            return openai_events.dump(openai_events.error_object(event))
+        shape = openai_events.OpenAIShape(message.chat, message.created, message.model)
+        if isinstance(event, TokenEvent):
+            return openai_events.dump(
+                openai_events.token_chunk(event, shape, message.position == 0)
+            )
+        if not message.stream:
+            logprobs = message.choice_logprobs
+            return openai_events.dump(openai_events.whole(event, shape, logprobs))
+        return openai_events.dump(openai_events.last_chunk(event, shape))
+
+    @staticmethod
+    def _logprobs_of(message: StepMessage, index: int) -> list[TokenLogprob] | None:
+        """A completion's logprobs on the final event, when no token event carried them."""
+        if message.choice_logprobs is None:
+            return None
+        return message.choice_logprobs.get(index, [])
+
+    def _after_token(self, envelope: Envelope, delivery: asyncio.Future) -> None:
+        if envelope.ack is not no_ack:  # one record per token message when roles run apart
+            self._track(self._ack_after(delivery, envelope))
+        else:
+            self._token_deliveries.setdefault(envelope.body.request_id, []).append(delivery)
+
+    async def _send(self, envelope: Envelope, topic: str, value: bytes | None) -> asyncio.Future:
+        """The message's event (None: no event), with the records that must be written in one
+        piece with it."""
         key = envelope.body.request_id
         writes = envelope.writes
         if envelope.body.error is not None and self.answered is not None:
@@ -132,10 +175,14 @@ class StreamerActor(Actor):
             # it, so that the request delivered again after a crash is not answered twice.
             if envelope.origin is not None and envelope.offset is not None:
                 writes = [*writes, *self.answered.mark(envelope.origin, envelope.offset)]
+        if value is None and not writes:
+            done: asyncio.Future = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
         if not writes:
             return await self.producer.send(topic, key=key, value=value, origin=envelope.origin)
         assert isinstance(self.producer, PartitionTransactions)
-        records = [*writes, (topic, key, value)]
+        records = [*writes] + ([(topic, key, value)] if value is not None else [])
         return (await self.producer.send_together(envelope.origin, records))[-1]
 
     def _track(self, coro) -> None:

@@ -154,6 +154,7 @@ class TokenizerActor(Actor):
             history_messages=len(history_messages or []),
             history_tokens=prompt.history_tokens,
             received_at=envelope.received_at or time.time(),
+            published_at=envelope.published_at,
         )
         await self.send_work(envelope.derive(work))
 

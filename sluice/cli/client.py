@@ -174,10 +174,14 @@ class Publisher:
         await self.producer.stop()
 
     async def publish(self, topic: str, requests: list[GenerateRequest]) -> list[Any]:
-        """Send all (in order), then wait for each; returns their record metadata."""
-        futures = [
-            await self.producer.send(topic, key=request_key(r), value=encode(r)) for r in requests
-        ]
+        """Send all (in order), then wait for each; returns their record metadata. A request that
+        names no event format asks for sluice's, which these commands show, whatever the
+        pipeline's --event-format."""
+        futures = []
+        for r in requests:
+            if r.event_format is None:
+                r = r.model_copy(update={"event_format": "sluice"})
+            futures.append(await self.producer.send(topic, key=request_key(r), value=encode(r)))
         return [await f for f in futures]
 
 

@@ -107,6 +107,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="dead-letter a request the process stopped serving this many times in a row "
         "without it getting further (default 5)",
     )
+    parser.add_argument(
+        "--event-format",
+        choices=["sluice", "openai"],
+        default="sluice",
+        help="the events of requests that do not choose: sluice's token/final events, or "
+        "OpenAI's chat.completion.chunk objects (an OpenAI-shaped request gets OpenAI's "
+        "unless it sets event_format; docs/SCHEMAS.md)",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--runner-id", help="name of this runner (default: host and pid)")
     parser.add_argument(
@@ -142,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         max_crashes=args.max_crashes,
         delivery=args.delivery,
         commit_interval_ms=args.commit_interval_ms,
+        event_format=args.event_format,
     )
     if args.runner_id:
         config.runner_id = args.runner_id

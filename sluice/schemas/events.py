@@ -94,6 +94,12 @@ class TopLogprob(_Wire):
 
     token_id: int = Field(ge=0)
     logprob: Logprob
+    token: str | None = Field(
+        None,
+        description="The token as text; 'bytes:' and escapes when it is not whole UTF-8 "
+        "(a piece of a character), as OpenAI writes it.",
+    )
+    bytes: list[int] | None = Field(None, description="The token's raw bytes.")
 
 
 class TokenLogprob(_Wire):
@@ -101,6 +107,8 @@ class TokenLogprob(_Wire):
 
     token_id: int = Field(ge=0)
     logprob: Logprob
+    token: str | None = Field(None, description="The token as text (see TopLogprob.token).")
+    bytes: list[int] | None = Field(None, description="The token's raw bytes.")
     top: list[TopLogprob] = Field(default_factory=list)
 
 
@@ -158,6 +166,9 @@ class Choice(_Wire):
     finish_reason: FinishReason
     stop_reason: str | int | None = None
     completion_tokens: int = Field(ge=0)
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="Its logprobs, when the request asked for them and did not stream."
+    )
 
 
 class Failure(_Wire):
@@ -222,6 +233,11 @@ class FinalEvent(_Wire):
     model: str
     text: str = Field(description="The full generated text (of completion 0 when n > 1).")
     choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
+    logprobs: list[TokenLogprob] | None = Field(
+        None,
+        description="Completion 0's logprobs, when the request asked for them and did not "
+        "stream (with n > 1, each choice has its own).",
+    )
     seed: int | None = Field(
         None, description="The request's seed, or the one it was given: send it to replay it."
     )

@@ -6,7 +6,7 @@ import json
 from sluice.actors.messages import Envelope, StepMessage
 from sluice.actors.runtime.actor import ActorState
 from sluice.actors.streamer_actor import StreamerActor
-from sluice.schemas.events import Timings, Usage
+from sluice.schemas.events import Timings, TokenLogprob, Usage
 
 from .helpers import BOUND, eventually
 
@@ -97,3 +97,70 @@ async def test_a_final_published_before_is_not_sent_again_but_its_turn_is_record
     assert await asyncio.wait_for(streamer.drain(), BOUND) == 0
     assert producer.sent == []
     assert sessions.turns == [("s", "r", [1, 2, 5])]
+
+
+def _steps(**echo) -> list[StepMessage]:
+    """A request's two token messages and its final, echoing `echo` (the request's wishes)."""
+    lp = [TokenLogprob(token_id=5, logprob=-0.5, token="Hi", bytes=[72, 105])]
+    return [
+        StepMessage(request_id="r", seq=0, token_ids=[5], text="Hi", logprobs=lp, **echo),
+        StepMessage(
+            request_id="r", seq=1, position=1, token_ids=[6], text="!", logprobs=lp, **echo
+        ),
+        StepMessage(
+            request_id="r",
+            seq=2,
+            finished=True,
+            finish_reason="length",
+            usage=Usage(prompt_tokens=3, cached_tokens=2, completion_tokens=2),
+            timings=Timings(queue_s=0.0, total_s=0.1),
+            full_text="Hi!",
+            model="m",
+            choice_logprobs=None if echo.get("stream", True) else {0: lp + lp},
+            **echo,
+        ),
+    ]
+
+
+async def _publish(streamer: StreamerActor, steps: list[StepMessage]) -> None:
+    acks = []
+    await streamer.start()
+    for step in steps:
+        await streamer.tell(Envelope(step, lambda s=step: acks.append(s.seq)))
+    await eventually(lambda: len(acks) == len(steps))
+    assert await asyncio.wait_for(streamer.drain(), BOUND) == 0
+
+
+async def test_openai_events_by_pipeline_default_and_by_request():
+    for pipeline_default, asked in (("openai", None), ("sluice", "openai")):
+        producer = FakeProducer()
+        streamer = StreamerActor(producer, "out", None, event_format=pipeline_default)
+        await _publish(streamer, _steps(event_format=asked, chat=True, created=1234))
+        first, second, last = (e for _, _, e in producer.sent)
+        assert [e["object"] for e in (first, second, last)] == ["chat.completion.chunk"] * 3
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": "Hi"}
+        assert second["choices"][0]["delta"] == {"content": "!"}  # the role comes once
+        assert first["choices"][0]["logprobs"]["content"][0]["token"] == "Hi"
+        assert last["choices"] == [
+            {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        ]
+        assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+        assert [e["seq"] for e in (first, second, last)] == [0, 1, 2]
+        assert {e["created"] for e in (first, second, last)} == {1234}
+
+
+async def test_a_request_that_does_not_stream_gets_its_final_alone():
+    producer = FakeProducer()
+    await _publish(StreamerActor(producer, "out", None), _steps(stream=False))
+    ((_, _, final),) = producer.sent
+    assert final["type"] == "final" and final["text"] == "Hi!" and final["seq"] == 2
+    assert [lp["token"] for lp in final["logprobs"]] == ["Hi", "Hi"]
+
+    producer = FakeProducer()
+    steps = _steps(stream=False, event_format="openai", chat=False)
+    await _publish(StreamerActor(producer, "out", None), steps)
+    ((_, _, completion),) = producer.sent
+    assert completion["object"] == "text_completion" and completion["id"] == "cmpl-r"
+    (choice,) = completion["choices"]
+    assert choice["text"] == "Hi!" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["Hi", "Hi"]

@@ -167,6 +167,12 @@ def request(request_id: str, **fields) -> tuple[bytes, bytes]:
     return key, json.dumps(body).encode()
 
 
+def terminal(event: dict) -> bool:
+    """A request's last event: sluice's final or error, or OpenAI's last object (the one with
+    the usage) or error object."""
+    return event.get("type") in ("final", "error") or "usage" in event or "error" in event
+
+
 @dataclass
 class Streams:
     """Every event read from the tokens topic, grouped by request id."""
@@ -175,7 +181,7 @@ class Streams:
     dead_letters: list[dict] = field(default_factory=list)
 
     def finals(self, rid: str) -> list[dict]:
-        return [e for e in self.events[rid] if e["type"] in ("final", "error")]
+        return [e for e in self.events[rid] if terminal(e)]
 
     def text(self, rid: str) -> str:
         """Text of completion 0, keeping the highest-seq copy of each event (duplicates dropped)."""

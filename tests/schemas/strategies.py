@@ -75,6 +75,8 @@ _optional = {
     "seed": st.none() | st.integers(0, 2**64 - 1),
     "skip_special_tokens": st.booleans(),
     "metadata": st.none() | metadata,
+    "stream": st.booleans(),
+    "event_format": st.none() | st.sampled_from(["sluice", "openai"]),
 }
 
 
@@ -89,13 +91,19 @@ def requests(draw: st.DrawFn) -> GenerateRequest:
 
 
 logprob = st.floats(min_value=-9999, max_value=0, **finite)
+spelling = {
+    "token": st.none() | st.text(max_size=8),
+    "bytes": st.none() | st.lists(st.integers(0, 255), max_size=8),
+}
 token_logprobs = st.builds(
     TokenLogprob,
     token_id=st.integers(0, 200_000),
     logprob=logprob,
     top=st.lists(
-        st.builds(TopLogprob, token_id=st.integers(0, 200_000), logprob=logprob), max_size=3
+        st.builds(TopLogprob, token_id=st.integers(0, 200_000), logprob=logprob, **spelling),
+        max_size=3,
     ),
+    **spelling,
 )
 token_events = st.builds(
     TokenEvent,
@@ -117,6 +125,7 @@ choices = st.lists(
         finish_reason=st.sampled_from(["stop", "length", "abort", "error"]),
         stop_reason=st.none() | st.text(min_size=1, max_size=5) | st.integers(0, 10**5),
         completion_tokens=st.integers(0, 10**6),
+        logprobs=st.none() | st.lists(token_logprobs, max_size=3),
     ),
     min_size=2,
     max_size=4,
@@ -143,6 +152,7 @@ final_events = st.builds(
     model=st.text(max_size=30),
     text=texts,
     choices=st.none() | choices,
+    logprobs=st.none() | st.lists(token_logprobs, max_size=3),
     session_id=st.none() | ids,
     metadata=st.none() | metadata,
 )
