@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Seconds: from a few ms (a warm decode step) to minutes (a long request on a busy CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -20,7 +20,7 @@ class Metrics:
         )
         self.ttft = Histogram(
             "sluice_time_to_first_token_seconds",
-            "From reading the request to its first token.",
+            "From the request's publish to its first token.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -32,13 +32,19 @@ class Metrics:
         )
         self.e2e = Histogram(
             "sluice_request_latency_seconds",
-            "From reading the request to its final event.",
+            "From the request's publish to its final event.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
             "sluice_queue_time_seconds",
-            "From reading the request to its first step.",
+            "From the request's publish to its first step.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_topic = Histogram(
+            "sluice_time_in_topic_seconds",
+            "From the request's publish until the pipeline read it (part of the queue time).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -112,6 +118,3 @@ class Metrics:
             ["runner"],
             registry=r,
         )
-
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)

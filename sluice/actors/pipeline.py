@@ -17,9 +17,11 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass, field
 
 from sluice.actors.answered import AnsweredInputs
+from sluice.actors.health import OpsServer
 from sluice.actors.ingress import Ingress
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
 MAX_REQUEST_BYTES = 4 << 20  # the largest request the requests topic takes
 DELIVERIES = (AT_LEAST_ONCE, EXACTLY_ONCE)
+BROKER_PROBE_S = 5.0  # how often /readyz's broker check asks the broker for metadata
+BROKER_FRESH_S = 3 * BROKER_PROBE_S  # not ready once the broker has not answered for this long
 
 
 @dataclass
@@ -113,6 +117,9 @@ class Pipeline:
         self.reply_topics: ReplyTopics | None = None
         self._sinks: list[KafkaSink] = []
         self._stop = asyncio.Event()
+        self.ops: OpsServer | None = None
+        self._broker_answered_at: float | None = None  # monotonic
+        self._broker_watch: asyncio.Task | None = None
 
     # -- assembly ------------------------------------------------------------------------------
 
@@ -148,13 +155,16 @@ class Pipeline:
             await ensure_topics(
                 c.bootstrap_servers, {t.progress: c.partitions}, config=CHANGELOG_CONFIG
             )
-        if c.metrics_port:
-            self.metrics.serve(c.metrics_port)
-            log.info("metrics on :%d/metrics", c.metrics_port)
+        if c.metrics_port is not None:
+            self.ops = OpsServer(self.metrics.registry, self.readiness, self.alive)
+            port = self.ops.start(c.metrics_port)
+            log.info("metrics on :%d/metrics, probes on /healthz and /readyz", port)
         self.producer = EventProducer(
             bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role or 'all'}"
         )
         await self.producer.start()
+        self._broker_answered_at = time.monotonic()
+        self._broker_watch = asyncio.ensure_future(self._watch_broker())
         group = c.group if self.role is None else f"{c.group}-{self.role}"
         self.output = self.producer
         if exactly_once:
@@ -232,6 +242,29 @@ class Pipeline:
             c.delivery,
             interval,
         )
+
+    # -- probes --------------------------------------------------------------------------------
+
+    def readiness(self) -> dict[str, bool]:
+        """What /readyz checks: each must hold for the process to take requests."""
+        answered = self._broker_answered_at
+        return {
+            "model_loaded": self.role not in (None, "runner") or self.engine is not None,
+            "consumer_assigned": self.consumer is not None and bool(self.consumer.assignment()),
+            "broker_reachable": answered is not None
+            and time.monotonic() - answered < BROKER_FRESH_S,
+            "serving": not self._stop.is_set() and not self.system_failed(),
+        }
+
+    def alive(self) -> bool:
+        """What /healthz checks: no actor has failed."""
+        return not self.system_failed()
+
+    async def _watch_broker(self) -> None:
+        while True:
+            await asyncio.sleep(BROKER_PROBE_S)
+            if self.producer is not None and await self.producer.reachable(BROKER_PROBE_S):
+                self._broker_answered_at = time.monotonic()
 
     async def _on_assigned(self, tps) -> None:
         """Before a new assignment's records are read: fence their earlier owners' transactions
@@ -389,6 +422,8 @@ class Pipeline:
                 loop.remove_signal_handler(sig)
 
     async def shutdown(self) -> None:
+        if self._broker_watch is not None:
+            self._broker_watch.cancel()
         if self.consumer is not None:
             await self.consumer.stop()  # waits for in-flight records (bounded), commits, leaves
         if self.ingress is not None:
@@ -407,6 +442,8 @@ class Pipeline:
             await self.producer.stop()
         if self.sessions is not None:
             await self.sessions.close()
+        if self.ops is not None:
+            self.ops.stop()
 
     def system_failed(self) -> bool:
         return any(getattr(a, "failure", None) is not None for a in self.system.actors)

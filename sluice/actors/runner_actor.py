@@ -38,6 +38,22 @@ log = logging.getLogger(__name__)
 RESTARTED = "the runner restarted while serving this request"
 
 
+def client_clock_start(work: TokenizedRequest) -> float:
+    """When the client's wait began: the request's publish (its record's timestamp), or when it
+    was read when the record had none. A publisher's clock ahead of ours cannot make it later
+    than the read."""
+    if work.published_at is None:
+        return work.received_at
+    return min(work.published_at, work.received_at)
+
+
+def in_topic(work: TokenizedRequest) -> float | None:
+    """How long the request waited in its topic before the pipeline read it."""
+    if work.published_at is None:
+        return None
+    return work.received_at - client_clock_start(work)
+
+
 def token_text(raw: bytes) -> str:
     """A token's bytes as text; a piece of a character is written as OpenAI writes it,
     'bytes:' and the bytes escaped (b'\\xe2\\x80' -> 'bytes:\\xe2\\x80')."""
@@ -289,7 +305,8 @@ class RunnerActor(Actor):
                 queue_s=0.0,
                 ttft_s=None,
                 tpot_s=None,
-                total_s=max(0.0, time.time() - tracked.work.received_at),
+                total_s=max(0.0, time.time() - client_clock_start(tracked.work)),
+                in_topic_s=in_topic(tracked.work),
             ),
             full_text=texts.get(0, ""),
             seed=tracked.record.seed if tracked.record else None,
@@ -471,8 +488,9 @@ class RunnerActor(Actor):
             (o.usage for o in tracked.finals.values()), key=lambda u: u.completion_tokens
         )
         # Engine timings start when the engine got the request; the client's clock started when
-        # the request was read from Kafka.
-        before_engine = max(0.0, tracked.submitted_at - tracked.work.received_at)
+        # it published the request.
+        started = client_clock_start(tracked.work)
+        before_engine = max(0.0, tracked.submitted_at - started)
         t = first.timings
 
         def shifted(value: float | None) -> float | None:
@@ -482,7 +500,8 @@ class RunnerActor(Actor):
             queue_s=shifted(t.queue_s) or before_engine,
             ttft_s=shifted(t.ttft_s),
             tpot_s=t.tpot_s,
-            total_s=max(0.0, time.time() - tracked.work.received_at),
+            total_s=max(0.0, time.time() - started),
+            in_topic_s=in_topic(tracked.work),
         )
         usage = Usage(
             prompt_tokens=last_usage.prompt_tokens,

@@ -256,6 +256,8 @@ class StreamerActor(Actor):
             t = message.timings
             m.e2e.observe(t.total_s)
             m.queue_time.observe(t.queue_s)
+            if t.in_topic_s is not None:
+                m.in_topic.observe(t.in_topic_s)
             if t.ttft_s is not None:
                 m.ttft.observe(t.ttft_s)
             if t.tpot_s is not None:

@@ -115,7 +115,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "OpenAI's chat.completion.chunk objects (an OpenAI-shaped request gets OpenAI's "
         "unless it sets event_format; docs/SCHEMAS.md)",
     )
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics (/metrics) and the /healthz and /readyz probes on this port",
+    )
     parser.add_argument("--runner-id", help="name of this runner (default: host and pid)")
     parser.add_argument(
         "--drain-timeout",

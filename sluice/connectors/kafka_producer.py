@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
 from sluice.connectors.settings import kafka_bootstrap_servers
@@ -71,6 +72,16 @@ class EventProducer:
             raise
         shown = {k: v for k, v in self._config.items() if "sasl" not in k and "ssl" not in k}
         log.info("producer started: %s", shown)
+
+    async def reachable(self, timeout_s: float = 5.0) -> bool:
+        """Whether a broker answers a metadata request now."""
+        if self._producer is None:
+            return False
+        try:
+            await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
+        except (KafkaError, TimeoutError, OSError):
+            return False
+        return True
 
     async def stop(self) -> None:
         """Send what is queued, then close."""

@@ -144,18 +144,25 @@ class Usage(_Wire):
 
 
 class Timings(_Wire):
-    """Latencies of one request, in seconds."""
+    """Latencies of one request, in seconds, as the client sees them: from its publish (the
+    request record's timestamp), or from when the pipeline read it when the record had none."""
 
-    queue_s: float = Field(ge=0, description="From arrival until its first forward step.")
+    queue_s: float = Field(ge=0, description="From publish until its first forward step.")
     ttft_s: float | None = Field(
-        None, ge=0, description="Time to first token, from arrival; null when none was made."
+        None, ge=0, description="Time to first token, from publish; null when none was made."
     )
     tpot_s: float | None = Field(
         None,
         ge=0,
         description="Mean time per output token after the first; null with fewer than 2 tokens.",
     )
-    total_s: float = Field(ge=0, description="From arrival until the final event.")
+    total_s: float = Field(ge=0, description="From publish until the final event.")
+    in_topic_s: float | None = Field(
+        None,
+        ge=0,
+        description="Of those, the time before the pipeline read the request (waiting in the "
+        "topic: a backlog, a pipeline down); null when its record had no timestamp.",
+    )
 
 
 class Choice(_Wire):
