@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from sluice import __version__
 from sluice.cli import chat, demo, generate, produce, replay, run, schema, stack, tail
+from sluice.cli.config_file import ConfigError, defaults_from_file
+from sluice.cli.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,19 +18,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"sluice {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one object per line (time, level, logger, message, exception) for log "
+        "collectors",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (stack, generate, run, produce, tail, chat, demo, replay, schema):
         module.register(sub)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a command's `--config FILE` under it (flags > environment > file >
+    defaults)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        try:
+            defaults = defaults_from_file(args.config, args.settings_parser)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        args.settings_parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    args = parse_args(argv)
+    setup_logging(args.log_format, args.verbose)
     return args.func(args)
 
 

@@ -48,6 +48,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--role", choices=ROLES, help="run one role in this process (default: all four)"
     )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=argparse.SUPPRESS,  # (sluice --log-format also works: the default is there)
+        help="json: one object per line for log collectors (default: text)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="settings from a TOML file (keys are these flags' names: max-in-flight = 32); "
+        "flags and environment variables override it",
+    )
     add_topic_arguments(parser)
     parser.add_argument(
         "--redis-url",
@@ -128,7 +140,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds to let in-flight requests finish on shutdown",
     )
     add_engine_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, settings_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
