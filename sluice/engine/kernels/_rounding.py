@@ -5,8 +5,7 @@ nearest even. Rounding on the bits first leaves a value the cast keeps exactly o
 kernels match torch bit for bit in the tests and in production alike.
 """
 
-import triton
-import triton.language as tl
+from sluice.engine.kernels._triton import tl, triton
 
 
 @triton.jit

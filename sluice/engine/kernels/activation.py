@@ -9,8 +9,8 @@ nothing). `out` (keyword-only, optional) is a preallocated [T, I] buffer to writ
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from sluice.engine.kernels._triton import tl, triton
 
 from ._rounding import to_dtype
 

@@ -27,10 +27,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from sluice.engine.kernels import interpreting
+from sluice.engine.kernels._triton import tl, triton
 
 QMAX = 127
 SCALE_FLOOR = 1e-10  # only all-zero (or denormal-sized) rows hit it; their codes are then all zero

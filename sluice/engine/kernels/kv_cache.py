@@ -38,8 +38,8 @@ exit), so there is no race on a block's scale.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from sluice.engine.kernels._triton import tl, triton
 
 SCALE_FLOOR = (
     1e-8  # far below real K/V magnitudes: a block whose absmax is 1e-6 still gets ~100 int8 steps

@@ -14,8 +14,8 @@ reuse memory across steps; `residual_out` may be `residual` itself (in place). I
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from sluice.engine.kernels._triton import tl, triton
 
 from ._rounding import round_to
 

@@ -22,10 +22,9 @@ scores, V's scale the softmax weights, so no dequantized copy is ever made.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from sluice.engine.kernels import interpreting
+from sluice.engine.kernels._triton import tl, triton
 
 QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

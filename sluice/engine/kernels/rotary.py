@@ -11,8 +11,8 @@ tensor's dtype.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from sluice.engine.kernels._triton import tl, triton
 
 from ._rounding import to_dtype
 

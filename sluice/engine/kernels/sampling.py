@@ -32,8 +32,8 @@ Both draw exactly from `kept_probs_torch`'s distribution but are not token-for-t
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from sluice.engine.kernels._triton import tl, triton
 
 # Chunk sizes of the Triton kernel (module constants so tests can force many small chunks).
 _BLOCK_MAX = 1024  # elements per chunk in the streaming passes (max, draw)
