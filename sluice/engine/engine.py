@@ -49,6 +49,7 @@ from sluice.engine.sampler import Sampler, TokenLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
 from sluice.engine.sequence import Sequence, SequenceStatus
+from sluice.engine.structured import Grammars
 from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class LLMEngine:
         self.ops.check(self.runner.attention)
         self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
         self.sampler = Sampler(self.ops)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
@@ -278,6 +280,11 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 raise EngineError("tokens after the completion had finished", field="resume")
             seq.append_token(token)
+            if seq.matcher is not None:
+                try:
+                    seq.matcher.consume(token)
+                except EngineError as exc:
+                    raise EngineError(str(exc), field="resume") from None
             reason, stop_reason, delta = self._finish_reason(seq, token, request.params)
             seq.text += delta  # published with the token already
             if reason is not None:
@@ -329,6 +336,7 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens,
             )
         seq.seed = seed
+        seq.matcher = self.grammars.matcher(params.response_format)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -398,11 +406,13 @@ class LLMEngine:
             request = self._requests[seq.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        logits = self.runner.execute(batch)
         sampled = [seq for seq, s in zip(batch.seqs, batch.sample) if s]
+        masks = self.grammars.masks_later([seq.matcher for seq in sampled])  # while the model runs
+        logits = self.runner.execute(batch)
         params = [self._requests[seq.request_id].params for seq in sampled]
         words = [None if p.greedy else s.draw_word() for s, p in zip(sampled, params)]
-        result = self.sampler(logits, sampled, params, words)
+        allowed = masks.result() if masks is not None else None
+        result = self.sampler(logits, sampled, params, words, allowed=allowed)
         for seq, token in zip(sampled, result.token_ids):
             seq.append_token(token)
         self.scheduler.on_step_done(batch)
@@ -509,6 +519,8 @@ class LLMEngine:
         now: float,
     ) -> StepOutput:
         """Account for one new token of a sequence: text, stop checks, finishing."""
+        if seq.matcher is not None:
+            seq.matcher.consume(token)  # (the mask allowed it: a refusal is an engine fault)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -569,7 +581,8 @@ class LLMEngine:
                 request.seed,
             )
             word = None if request.params.greedy else child.draw_word()
-            drawn = self.sampler(logits_row, [child], [request.params], [word])
+            allowed = self.grammars.allowed_tokens([child.matcher])
+            drawn = self.sampler(logits_row, [child], [request.params], [word], allowed=allowed)
             token = drawn.token_ids[0]
             child.append_token(token)
             request.seqs.append(child)

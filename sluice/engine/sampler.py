@@ -69,10 +69,14 @@ class Sampler:
         seqs: Sequence,
         params: Sequence[SamplingParams],
         words: Sequence[int | None],
+        *,
+        allowed: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplerOutput:
         """logits: [N, V], rows in the order of `seqs`; a seq needs `token_ids` (prompt + output)
         and `num_prompt_tokens`. words: each row's 64-bit random word (`draws.draw_word`); None
-        for greedy rows, which draw nothing. `logits` is not modified."""
+        for greedy rows, which draw nothing. allowed: (rows, float32 [len(rows), V]), added to
+        those rows after penalties and temperature: -inf on the tokens their response format
+        excludes, 0 elsewhere (`structured.py`). `logits` is not modified."""
         n = logits.shape[0]
         if not (len(seqs) == len(params) == len(words) == n):
             raise ValueError(
@@ -89,6 +93,15 @@ class Sampler:
             apply_penalties(x, seqs, params)
         if any(p.temperature not in (0, 1) for p in params):
             x = x / torch.tensor([p.temperature or 1.0 for p in params], device=device).unsqueeze(1)
+        if allowed is not None:
+            guided, bias = allowed
+            bias = bias.to(device)
+            if len(guided) == n:
+                x = x + bias
+            else:
+                if x is logits:
+                    x = x.clone()
+                x[_index(guided, device)] += bias
 
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy) == n:

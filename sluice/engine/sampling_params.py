@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.engine.errors import EngineError
 
@@ -28,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k >= 0: the chosen token's + the k most likely
     seed: int | None = None  # per-request generator: same seed, same draws, whatever the batch
     skip_special_tokens: bool = True  # leave special tokens (<|im_end|>, ...) out of the text
+    # A grammar the output follows (JSON Schema, JSON object, regex, Lark): `structured.py`.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts a single string
@@ -93,6 +96,15 @@ class SamplingParams:
             _integer("seed", self.seed)
             if not 0 <= self.seed < 2**64:
                 raise EngineError(f"must be in [0, 2**64), got {self.seed}", "seed")
+        if self.response_format is not None:
+            if not isinstance(self.response_format, dict):
+                raise EngineError("must be an object", "response_format")
+            if self.ignore_eos and self.response_format.get("type") != "text":
+                raise EngineError(
+                    "cannot follow a response format and ignore the end of sequence: the "
+                    "grammar ends the text",
+                    "ignore_eos",
+                )
 
 
 def _number(name: str, value: object) -> None:

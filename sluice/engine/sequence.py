@@ -21,6 +21,7 @@ from sluice.engine.draws import draw_word
 if TYPE_CHECKING:
     from sluice.engine.detokenizer import IncrementalDetokenizer
     from sluice.engine.sampler import TokenLogprobs
+    from sluice.engine.structured import Matcher
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +69,7 @@ class Sequence:
         # Block-manager bookkeeping follows below; first the completion's record (the engine's).
         self.index = index  # which of its request's n samples
         self.detokenizer: IncrementalDetokenizer | None = None
+        self.matcher: Matcher | None = None  # where its output stands in its response format
         self.seed = 0  # its request's seed: with `index` and the position, it keys every draw
         self.text = ""
         self.logprobs: list[TokenLogprobs] = []

@@ -14,8 +14,9 @@ names it and says why, never silently dropped. Then it is mapped onto a :class:`
 * ``stream`` (OpenAI's default is false: one final object); ``stream_options.include_usage`` is
   accepted, and usage is always on the last chunk;
 * ``temperature``, ``top_p``, ``n``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
-  ``metadata``; the extras vLLM users send (``top_k``, ``min_p``, ``repetition_penalty``,
-  ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) and sluice's own routing fields
+  ``metadata``, ``response_format`` (structured output: ``json_object``, ``json_schema``); the
+  extras vLLM users send (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+  ``stop_token_ids``, ``skip_special_tokens``) and sluice's own routing fields
   (``request_id``, ``session_id``, ``tenant``, ``reply_topic``, ``priority``, ``deadline``) pass
   through under their own names and are checked as sluice checks them;
 * ``model`` names what the client expects; the pipeline answers with the model it serves and says
@@ -85,6 +86,7 @@ PASSTHROUGH: tuple[str, ...] = (
     "priority",
     "deadline",
     "event_format",
+    "response_format",
 )
 
 
@@ -158,12 +160,6 @@ class StreamOptions(_Strict):
     ] = None
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"] = Field(
-        description="text only: structured output (json_object, json_schema) is not served yet"
-    )
-
-
 class _OpenAIRequest(_Strict):
     model: str = Field(min_length=1)
     stop: Annotated[list[str] | None, BeforeValidator(_listed)] = None
@@ -193,6 +189,7 @@ class _OpenAIRequest(_Strict):
     priority: _PASS = None
     deadline: _PASS = None
     event_format: _PASS = None
+    response_format: _PASS = None
 
     logit_bias: Annotated[JsonValue, _refuse("no logit bias")] = None
     service_tier: Annotated[
@@ -222,7 +219,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
 
     tools: _TOOLS = None
     tool_choice: _TOOLS = None

@@ -198,6 +198,9 @@ def _reason(err: ErrorDetails, shape: type[BaseModel]) -> str:
         return "must not be empty" if n == 1 else f"must have at least {n} items"
     if kind == "too_long":
         return f"must have at most {ctx['max_length']} items"
+    if kind == "union_tag_invalid":
+        name = str(ctx["discriminator"]).strip("'")
+        return f"{name}: must be one of {ctx['expected_tags']} (got {ctx['tag']!r})"
     if kind in ("unsupported_field", "content_type", "prompt_type"):
         return str(err["msg"])
     if kind == "literal_error":
@@ -217,8 +220,17 @@ def _known_fields(parent: tuple[Any, ...], shape: type[BaseModel]) -> list[str]:
     return []
 
 
+_FORMAT_TAGS = frozenset(("text", "json_object", "json_schema", "regex", "grammar"))
+
+
 def _field_of(err: ErrorDetails) -> str | None:
-    path = ".".join(str(p) for p in err["loc"])
+    loc = list(err["loc"])
+    # a tagged union's errors name the tag after the field (response_format.regex.regex): not a
+    # field of the client's message, so left out
+    for i in range(len(loc) - 1, 0, -1):
+        if loc[i - 1] == "response_format" and loc[i] in _FORMAT_TAGS:
+            del loc[i]
+    path = ".".join(str(p) for p in loc)
     if path:
         return _utf8_safe(path)
     return (err.get("ctx") or {}).get("field")

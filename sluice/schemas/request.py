@@ -65,6 +65,7 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "logprobs",
     "seed",
     "skip_special_tokens",
+    "response_format",
 )
 
 
@@ -187,6 +188,50 @@ class Message(BaseModel):
     content: str
 
 
+class _Format(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TextFormat(_Format):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Format):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Format):
+    name: str | None = Field(None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, JsonValue] = Field(alias="schema", description="The JSON Schema.")
+    strict: bool | None = Field(None, description="Accepted; the schema is always enforced.")
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=True, serialize_by_alias=True
+    )
+
+
+class JsonSchemaFormat(_Format):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Format):
+    type: Literal["regex"]
+    regex: str = Field(min_length=1, description="The whole text must match it.")
+
+
+class GrammarFormat(_Format):
+    type: Literal["grammar"]
+    grammar: str = Field(min_length=1, description="A context-free grammar in Lark syntax.")
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat,
+    Field(discriminator="type"),
+]
+
+
 class GenerateRequest(BaseModel):
     """A generation request: a prompt (or chat), sampling parameters and routing hints."""
 
@@ -273,6 +318,11 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**64)
     skip_special_tokens: bool = Field(
         True, description="Leave special tokens (such as <|im_end|>) out of the text."
+    )
+    response_format: ResponseFormat | None = Field(
+        None,
+        description="A shape the text must have: json_object, json_schema (OpenAI's forms), "
+        "regex or grammar (Lark); enforced token by token.",
     )
 
     metadata: dict[str, JsonValue] | None = Field(
@@ -361,4 +411,8 @@ class GenerateRequest(BaseModel):
         out = {name: getattr(self, name) for name in SAMPLING_FIELDS}
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.response_format is not None:
+            out["response_format"] = self.response_format.model_dump(
+                by_alias=True, exclude_none=True
+            )
         return out

@@ -3,8 +3,9 @@ client go in on the requests topic, and what comes out parses as the `openai` pa
 and says what sluice's own events say for the same request.
 
 One `sluice run --event-format openai` serves every case: OpenAI-shaped requests (streamed, not
-streamed, Completions, refused), a sluice request that asks for sluice events (the reference), and
-one that says nothing (so the pipeline's default applies); and examples/openai_chunks.py."""
+streamed, Completions, structured, refused), a sluice request that asks for sluice events (the
+reference), one that says nothing (so the pipeline's default applies); and
+examples/openai_chunks.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from jsonschema import Draft202012Validator
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai_bodies import sent_by_client
@@ -23,6 +25,20 @@ pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_chunks.py"
 
+COLOURS = {
+    "type": "object",
+    "properties": {
+        "colours": {
+            "type": "array",
+            "items": {"enum": ["red", "green", "blue", "yellow"]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "favourite": {"type": "string", "maxLength": 12},
+    },
+    "required": ["colours", "favourite"],
+    "additionalProperties": False,
+}
 CHAT = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "Name three colours."},
@@ -54,6 +70,13 @@ async def test_openai_requests_and_events_on_the_real_pipeline(bootstrap_servers
         "completions", model="SmolLM2", prompt="The capital of France is", max_tokens=5
     )
     refused = chat_body(tools=[{"type": "function", "function": {"name": "lookup"}}])
+    structured = chat_body(
+        max_completion_tokens=120,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "colours", "schema": COLOURS, "strict": True},
+        },
+    )
     try:
         process.wait_ready()
         await publish(
@@ -65,9 +88,10 @@ async def test_openai_requests_and_events_on_the_real_pipeline(bootstrap_servers
                 message("native-default", {"prompt": "Once upon a time", "max_tokens": 4}),
                 message("oa-text", completions),
                 message("oa-refused", refused),
+                message("oa-json", structured),
             ],
         )
-        ids = {"oa-chat", "native-chat", "native-default", "oa-text", "oa-refused"}
+        ids = {"oa-chat", "native-chat", "native-default", "oa-text", "oa-refused", "oa-json"}
         streams = await collect(bootstrap_servers, prefix, ids, timeout=240)
         # the same chat again, not streamed: one object, its prompt from the prefix cache
         await publish(
@@ -135,6 +159,13 @@ async def test_openai_requests_and_events_on_the_real_pipeline(bootstrap_servers
     assert example.returncode == 0, example.stderr
     reply, usage_line = example.stdout.rstrip("\n").rsplit("\n", 1)
     assert reply.strip() and usage_line.startswith("[length: ")
+
+    # structured output: the content is JSON that validates against the schema
+    (answer,) = events["oa-json"]
+    parsed = ChatCompletion.model_validate(answer)
+    assert parsed.choices[0].finish_reason == "stop"
+    content = json.loads(parsed.choices[0].message.content or "")
+    assert list(Draft202012Validator(COLOURS).iter_errors(content)) == [], content
 
     # what sluice does not serve: OpenAI's error object, naming the field
     (error,) = events["oa-refused"]

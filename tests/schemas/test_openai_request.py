@@ -59,6 +59,10 @@ def test_a_chat_request_from_the_openai_client_maps_every_field():
         user="someone",
         metadata={"ticket": "42"},
         service_tier="auto",
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "colours", "schema": {"type": "array"}, "strict": True},
+        },
         extra_body={"top_k": 5, "min_p": 0.05, "request_id": "chat-1", "session_id": "s-1"},
     )
     request = decoded(body)
@@ -76,6 +80,10 @@ def test_a_chat_request_from_the_openai_client_maps_every_field():
     assert request.stop == ["END"] and request.logprobs == 3
     assert request.stream is True and request.event_format == "openai"
     assert request.metadata == {"ticket": "42"}
+    assert request.sampling_kwargs()["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "colours", "schema": {"type": "array"}, "strict": True},
+    }
 
 
 def test_a_completions_request_from_the_openai_client():
@@ -118,7 +126,7 @@ def test_nulls_mean_absent_and_the_request_may_ask_for_sluice_events():
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
         ({"tool_choice": "auto"}, "tool_choice", "tool"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type", "'text'"),
+        ({"response_format": {"type": "xml"}}, "response_format", "'json_schema'"),
         ({"logit_bias": {"50256": -100}}, "logit_bias", "logit bias"),
         ({"store": True}, "store", "not stored"),
         ({"max_tokenz": 3}, "max_tokenz", "did you mean 'max_tokens'"),
