@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from sluice import __version__
-from sluice.cli import chat, demo, generate, produce, replay, run, schema, stack, tail
+from sluice.cli import bench, chat, demo, generate, produce, replay, run, schema, stack, tail
 from sluice.cli.config_file import ConfigError, defaults_from_file
 from sluice.cli.logs import setup_logging
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "collectors",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (stack, generate, run, produce, tail, chat, demo, replay, schema):
+    for module in (stack, generate, run, produce, tail, chat, demo, replay, schema, bench):
         module.register(sub)
     return parser
 
