@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 FLAG_SETS = [
     ["--dtype", "float32", "--quantization", "int8", "--kv-cache-dtype", "int8"],
-    ["--dtype", "float32", "--quantization", "int4", "--kernels", "torch"],
+    ["--dtype", "float32", "--quantization", "int4", "--no-prefix-caching"],
+    ["--dtype", "float32", "--kernels", "torch", "--kv-cache-dtype", "int8"],
     ["--dtype", "bfloat16", "--deterministic"],
 ]
 
