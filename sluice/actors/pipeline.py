@@ -38,7 +38,7 @@ from sluice.connectors.changelog import TOPIC_CONFIG as CHANGELOG_CONFIG
 from sluice.connectors.changelog import Changelog
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
-from sluice.connectors.sessions import SessionStore
+from sluice.connectors.sessions import RedisRefused, SessionStore
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 from sluice.connectors.topics import ensure_topics
 from sluice.connectors.transactions import PartitionTransactions
@@ -173,6 +173,7 @@ class Pipeline:
             self.sessions = SessionStore(
                 c.redis_url, ttl_s=c.session_ttl_s, outage_wait_s=c.redis_outage_wait_s
             )
+            await self.sessions.verify_credentials()  # a wrong password is an error, at once
             ok = await self.sessions.check()
             self.metrics.redis_available.set(1 if ok else 0)
             log.info(
@@ -460,6 +461,9 @@ async def run_pipeline(config: PipelineConfig, role: str | None = None) -> int:
     except ActorFailed as exc:
         log.critical("%s; exiting", exc)
         return 1
+    except RedisRefused as exc:
+        log.critical("%s", exc)
+        return 2
     if pipeline.system.failure is not None:  # an actor failed while shutting down
         log.critical("%s during shutdown; exiting", pipeline.system.failure)
         return 1

@@ -27,6 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--redis-port", type=int, help="Redis port (env SLUICE_REDIS_PORT, default 6379)"
     )
     parser.add_argument(
+        "--redis-password",
+        help="make Redis require this password (env SLUICE_REDIS_PASSWORD; REDIS_URL carries it)",
+    )
+    parser.add_argument(
         "--home", type=Path, help="data directory (env SLUICE_HOME, default ./.sluice)"
     )
     parser.set_defaults(func=run)
@@ -40,6 +44,8 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         settings.kafka_controller_port = args.kafka_controller_port
     if args.redis_port:
         settings.redis_port = args.redis_port
+    if args.redis_password:
+        settings.redis_password = args.redis_password
     if args.home:
         settings.home = args.home.resolve()
     return settings

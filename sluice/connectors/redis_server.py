@@ -107,6 +107,8 @@ class LocalRedis:
             "--protected-mode",
             "yes",
         ]
+        if self.settings.redis_password:  # AUTH required (the password is also in redis_url)
+            cmd += ["--requirepass", self.settings.redis_password]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise StackError(

@@ -35,8 +35,8 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, RedisError, ResponseError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.connectors.settings import redis_url
@@ -100,6 +100,16 @@ def _stands_after(pending: tuple[str, int, int] | None, mine: tuple[str, int, in
     if pending is None or mine is None:
         return False
     return tuple(pending[:2]) == tuple(mine[:2]) and pending[2] > mine[2]
+
+
+class RedisRefused(RuntimeError):
+    """Redis answered, and refused the credentials."""
+
+    def __init__(self, url: str, exc: Exception):
+        super().__init__(
+            f"Redis at {redact(url)} refused the credentials ({exc}): give the password in the "
+            "URL, redis://:PASSWORD@HOST:PORT/DB (--redis-url or REDIS_URL)"
+        )
 
 
 def session_key(tenant: str | None, session_id: str) -> str:
@@ -166,6 +176,20 @@ class SessionStore:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+    async def verify_credentials(self) -> None:
+        """Raise RedisRefused when Redis answers but refuses this client (a wrong or missing
+        password); an unreachable Redis is not an error here (sessions wait for it)."""
+        try:
+            await asyncio.wait_for(self._client.ping(), self.socket_timeout * 4)
+        except AuthenticationError as exc:
+            raise RedisRefused(self.url, exc) from None
+        except ResponseError as exc:
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise RedisRefused(self.url, exc) from None
+            raise
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError):
+            pass
 
     async def check(self) -> bool:
         """Ping Redis (subject to the probe back-off); True when it answered."""

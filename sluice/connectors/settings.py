@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 # Environment variable names: the compose file and its test refer to these.
 ENV_KAFKA_BOOTSTRAP = "KAFKA_BOOTSTRAP_SERVERS"
@@ -20,6 +21,7 @@ ENV_KAFKA_CONTROLLER_PORT = "SLUICE_KAFKA_CONTROLLER_PORT"
 ENV_KAFKA_VERSION = "SLUICE_KAFKA_VERSION"
 ENV_REDIS_PORT = "SLUICE_REDIS_PORT"
 ENV_REDIS_APPENDFSYNC = "SLUICE_REDIS_APPENDFSYNC"
+ENV_REDIS_PASSWORD = "SLUICE_REDIS_PASSWORD"
 
 DEFAULT_KAFKA_PORT = 9092
 DEFAULT_KAFKA_CONTROLLER_PORT = 9093
@@ -85,6 +87,10 @@ class StackSettings:
     redis_appendfsync: str = field(
         default_factory=lambda: os.environ.get(ENV_REDIS_APPENDFSYNC) or DEFAULT_REDIS_APPENDFSYNC
     )
+    # When set, the stack's Redis requires it (AUTH) and redis_url carries it.
+    redis_password: str | None = field(
+        default_factory=lambda: os.environ.get(ENV_REDIS_PASSWORD) or None
+    )
 
     @property
     def bootstrap_servers(self) -> str:
@@ -92,7 +98,8 @@ class StackSettings:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://{LOOPBACK}:{self.redis_port}/0"
+        auth = f":{quote(self.redis_password, safe='')}@" if self.redis_password else ""
+        return f"redis://{auth}{LOOPBACK}:{self.redis_port}/0"
 
 
 def kafka_bootstrap_servers() -> str:
