@@ -26,7 +26,14 @@ from sluice.actors.transport import Sink
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.transactions import PartitionTransactions
-from sluice.schemas import ErrorEvent, RequestRejected, decode_request, encode, openai_events
+from sluice.schemas import (
+    ErrorEvent,
+    GenerateRequest,
+    RequestRejected,
+    decode_request,
+    encode,
+    openai_events,
+)
 from sluice.schemas.events import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,7 @@ class Ingress:
         commit_interval_s: float = COMMIT_INTERVAL_S,
         answered: AnsweredInputs | None = None,
         event_format: str = "sluice",
+        tenant_of: Callable[[str], str | None] | None = None,
     ):
         self.consumer = consumer
         self.producer = producer
@@ -74,6 +82,8 @@ class Ingress:
         self.answered = answered
         self._acked: list[tuple[TopicPartition, int, str]] = []  # done, not yet known committed
         self.event_format = event_format  # of an error event whose request does not choose
+        # The tenant a topic's name decides (per-tenant request topics), or None.
+        self.tenant_of = tenant_of
 
     async def run(self) -> None:
         """Consume until the consumer stops; commits finished records every second."""
@@ -107,6 +117,21 @@ class Ingress:
             )
             self._spawn(self._publish_error(record, event, None, False))
             return
+        if self.tenant_of is not None and isinstance(body, GenerateRequest):
+            tenant = self.tenant_of(record.topic)
+            if tenant is not None:
+                if body.tenant not in (None, tenant):
+                    event = ErrorEvent.for_request(
+                        body,
+                        ErrorCode.INVALID_REQUEST,
+                        f"tenant: a request on {record.topic} is tenant {tenant!r}'s; it cannot "
+                        f"act as tenant {body.tenant!r}",
+                        field="tenant",
+                    )
+                    openai = (body.event_format or self.event_format) == "openai"
+                    self._spawn(self._publish_error(record, event, body.reply_topic, openai))
+                    return
+                body = body.model_copy(update={"tenant": tenant})
         ack = self._acker(record, _request_id_of(body))
         envelope = Envelope(
             body,

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from sluice.actors.answered import AnsweredInputs
 from sluice.actors.health import OpsServer
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
 MAX_REQUEST_BYTES = 4 << 20  # the largest request the requests topic takes
 DELIVERIES = (AT_LEAST_ONCE, EXACTLY_ONCE)
+METADATA_REFRESH_MS = 10_000  # how soon the consumer sees a new topic of its pattern
 BROKER_PROBE_S = 5.0  # how often /readyz's broker check asks the broker for metadata
 BROKER_FRESH_S = 3 * BROKER_PROBE_S  # not ready once the broker has not answered for this long
 
@@ -93,6 +96,20 @@ class PipelineConfig:
     # The events of requests that do not name a format: "sluice" or "openai" (requests in an
     # OpenAI shape name openai themselves, unless they say otherwise).
     event_format: str = "sluice"
+    # Also read PREFIX.requests.<tenant>, whose name decides the request's tenant (so Kafka ACLs
+    # decide who may act as which tenant).
+    tenant_topics: bool = False
+
+
+def tenant_topics_pattern(requests_topic: str) -> str:
+    """The requests topic and its per-tenant topics (REQUESTS.<tenant>)."""
+    return "^" + re.escape(requests_topic) + r"(\.[A-Za-z0-9_-]+)?$"
+
+
+def tenant_of_topic(requests_topic: str, topic: str) -> str | None:
+    """The tenant a per-tenant requests topic belongs to (None for the shared one)."""
+    prefix = requests_topic + "."
+    return topic[len(prefix) :] if topic.startswith(prefix) else None
 
 
 class Pipeline:
@@ -201,8 +218,13 @@ class Pipeline:
         builder = getattr(self, f"_build_{self.role or 'all'}")
         first, topic, decode = await builder()
         transactions = self.output if isinstance(self.output, PartitionTransactions) else None
+        per_tenant = c.tenant_topics and topic == t.requests
         self.consumer = RequestConsumer(
             [topic],
+            # with per-tenant topics: PREFIX.requests and every PREFIX.requests.<tenant>, those
+            # made later found within METADATA_REFRESH_MS
+            pattern=tenant_topics_pattern(t.requests) if per_tenant else None,
+            metadata_max_age_ms=METADATA_REFRESH_MS,
             group_id=group,
             bootstrap_servers=c.bootstrap_servers,
             max_in_flight=c.max_in_flight,
@@ -228,6 +250,7 @@ class Pipeline:
             commit_interval_s=interval / 1000,
             answered=self.answered,
             event_format=c.event_format,
+            tenant_of=partial(tenant_of_topic, t.requests) if per_tenant else None,
             **({"decode": decode} if decode else {}),
         )
         await self.system.start()

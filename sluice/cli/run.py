@@ -120,6 +120,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "without it getting further (default 5)",
     )
     parser.add_argument(
+        "--tenant-topics",
+        action="store_true",
+        help="also read PREFIX.requests.<tenant> topics, whose name sets the request's tenant "
+        "(a different tenant in the request is refused): Kafka ACLs then decide who may act "
+        "as which tenant",
+    )
+    parser.add_argument(
         "--event-format",
         choices=["sluice", "openai"],
         default="sluice",
@@ -167,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         delivery=args.delivery,
         commit_interval_ms=args.commit_interval_ms,
         event_format=args.event_format,
+        tenant_topics=args.tenant_topics,
     )
     if args.runner_id:
         config.runner_id = args.runner_id

@@ -104,9 +104,13 @@ class RequestConsumer:
         on_assigned: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
         on_revoked: Callable[[set[TopicPartition]], Awaitable[None]] | None = None,
         commit_with: Callable[[dict[TopicPartition, int]], Awaitable[None]] | None = None,
+        pattern: str | None = None,
         **kafka_options: Any,
     ) -> None:
         self.topics = [topics] if isinstance(topics, str) else list(topics)
+        # A regex of topic names to read instead of `topics` (topics made later are found at the
+        # next metadata refresh: metadata_max_age_ms).
+        self.pattern = pattern
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         if max_in_flight is not None:
@@ -175,7 +179,10 @@ class RequestConsumer:
 
     async def start(self) -> None:
         self._consumer = AIOKafkaConsumer(**self._config)
-        self._consumer.subscribe(self.topics, listener=_Listener(self))
+        if self.pattern is not None:
+            self._consumer.subscribe(pattern=self.pattern, listener=_Listener(self))
+        else:
+            self._consumer.subscribe(self.topics, listener=_Listener(self))
         try:
             await self._consumer.start()
         except BaseException:
@@ -184,7 +191,7 @@ class RequestConsumer:
         shown = {k: v for k, v in self._config.items() if "sasl" not in k and "ssl" not in k}
         log.info(
             "consumer started on %s: %s, max_in_flight=%s (resume at %s), drain_timeout=%.1fs",
-            ",".join(self.topics),
+            f"/{self.pattern}/" if self.pattern is not None else ",".join(self.topics),
             shown,
             self.max_in_flight,
             self.low_water,
