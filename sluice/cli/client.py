@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from sluice.cli.formats import RESPONSE_FORMAT_HELP, response_format_arg
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.settings import kafka_bootstrap_servers
 from sluice.schemas import (
@@ -82,6 +83,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--reply-topic", help="send this request's events here instead of PREFIX.tokens"
     )
+    group.add_argument("--response-format", type=response_format_arg, help=RESPONSE_FORMAT_HELP)
 
 
 SAMPLING_FLAGS = (
@@ -93,6 +95,7 @@ SAMPLING_FLAGS = (
     "stop",
     "priority",
     "reply_topic",
+    "response_format",
 )
 
 

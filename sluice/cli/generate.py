@@ -7,6 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
+from sluice.cli.formats import RESPONSE_FORMAT_HELP, response_format_arg
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import EngineError
 from sluice.engine.sampling_params import SamplingParams
@@ -98,6 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--response-format", type=response_format_arg, help=RESPONSE_FORMAT_HELP)
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
@@ -115,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        response_format=args.response_format,
     )
     try:
         params.validate()  # before the model loads: a typo should not cost seconds

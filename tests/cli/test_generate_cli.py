@@ -66,3 +66,19 @@ def test_deterministic_json_records_say_what_produced_them():
     provenance = record["provenance"]
     assert provenance["deterministic"] is True and provenance["kernels"] == "deterministic"
     assert len(provenance["weights_sha256"]) == 64 and record["seed"] == 5
+
+
+def test_response_format_constrains_the_text(tmp_path):
+    fmt = tmp_path / "digits.json"
+    fmt.write_text('{"type": "regex", "regex": "[0-9]{3}-[0-9]{2}"}')
+    result = sluice(
+        "generate", "--json", "--temperature", "1", "--seed", "4", "--max-tokens", "12",
+        "--kv-cache-mb", "64", "--response-format", f"@{fmt}", "Write a word:",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (record,) = [json.loads(line) for line in result.stdout.splitlines()]
+    text = record["text"]
+    assert len(text) == 6 and text[3] == "-" and (text[:3] + text[4:]).isdigit(), text
+    assert record["finish_reason"] == "stop"
+    bad = sluice("generate", "--response-format", "[1]", "x")
+    assert bad.returncode == 2 and "--response-format: must be a JSON object" in bad.stderr
