@@ -108,7 +108,7 @@ class Ingress:
         try:
             body = self.decode(record.value or b"")
         except RequestRejected as rejected:
-            openai = (rejected.event_format or self.event_format) == "openai"
+            openai = openai_events.wants_openai(rejected.event_format, self.event_format)
             self._spawn(self._publish_error(record, rejected.event, rejected.reply_topic, openai))
             return
         except (ValidationError, ValueError) as exc:
@@ -128,7 +128,7 @@ class Ingress:
                         f"act as tenant {body.tenant!r}",
                         field="tenant",
                     )
-                    openai = (body.event_format or self.event_format) == "openai"
+                    openai = openai_events.wants_openai(body.event_format, self.event_format)
                     self._spawn(self._publish_error(record, event, body.reply_topic, openai))
                     return
                 body = body.model_copy(update={"tenant": tenant})

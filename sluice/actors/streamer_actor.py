@@ -138,7 +138,7 @@ class StreamerActor(Actor):
 
     def _encode(self, message: StepMessage, event: TokenEvent | FinalEvent | ErrorEvent) -> bytes:
         """The event as the request wants it: sluice's own, or OpenAI's objects."""
-        if (message.event_format or self.event_format) != "openai":
+        if not openai_events.wants_openai(message.event_format, self.event_format):
             return encode(event)
         if isinstance(event, ErrorEvent):
             return openai_events.dump(openai_events.error_object(event))

@@ -97,8 +97,7 @@ def _prepared(bodies: list[dict[str, Any]], tag: str) -> list[GenerateRequest]:
     which is what this command reads."""
     out = []
     for i, body in enumerate(bodies):
-        body = {**body, "request_id": f"bench-{tag}-{i}", "event_format": "sluice"}
-        body["stream"] = True
+        body = {**body, "request_id": f"bench-{tag}-{i}", "event_format": "sluice", "stream": True}
         try:
             out.append(validate(body))
         except RequestRejected as exc:

@@ -92,9 +92,6 @@ class Matcher:
         """Write the allowed next tokens into `words` (int32, 32 tokens a word)."""
         self._inner.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
-    def copy(self) -> Matcher:
-        return Matcher(self._inner.deep_copy())
-
 
 class Grammars:
     """Response formats compiled for one tokenizer, and the masks of a step."""
@@ -126,14 +123,14 @@ class Grammars:
             return None
         if self.tokenizer is None:
             raise EngineError("structured output needs the model's tokenizer", FIELD)
+        import llguidance
+
         key = json.dumps(response_format, sort_keys=True)
         grammar = self._compiled.get(key)
         if grammar is None:
             grammar = _grammar_source(response_format)
             if grammar is None:
                 return None
-            import llguidance
-
             problem = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
             if problem and not problem.startswith("WARNING"):
                 raise EngineError(problem, FIELD)
@@ -141,8 +138,6 @@ class Grammars:
             if len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
-        import llguidance
-
         inner = llguidance.LLMatcher(self._tokenizer(), grammar)
         if inner.is_error():
             raise EngineError(inner.get_error(), FIELD)
@@ -176,7 +171,3 @@ class Grammars:
         bias = torch.full((len(rows), self.vocab_size), float("-inf"))
         bias[:, :width].masked_fill_(bits[:, :width].bool(), 0.0)
         return rows, bias
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)

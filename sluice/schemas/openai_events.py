@@ -24,6 +24,11 @@ from typing import Any
 from .events import ErrorCode, ErrorEvent, FinalEvent, TokenEvent, TokenLogprob, Usage
 
 
+def wants_openai(asked: str | None, default: str) -> bool:
+    """Whether a request's events are OpenAI's: its own event_format, else the pipeline's."""
+    return (asked or default) == "openai"
+
+
 @dataclass(frozen=True)
 class OpenAIShape:
     """What a request's OpenAI objects need that its events do not carry."""

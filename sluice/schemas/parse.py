@@ -33,7 +33,7 @@ from pydantic_core import ErrorDetails
 
 from .events import EVENT_TYPES, ErrorCode, ErrorEvent, OutputEvent
 from .openai_request import ChatMessage, openai_shape
-from .request import GenerateRequest, _request_id, _session_id, _topic
+from .request import RESPONSE_FORMAT_TYPES, GenerateRequest, _request_id, _session_id, _topic
 from .version import SCHEMA_VERSION, SUPPORTED_VERSIONS
 
 MAX_ERRORS_IN_MESSAGE = 5
@@ -220,15 +220,12 @@ def _known_fields(parent: tuple[Any, ...], shape: type[BaseModel]) -> list[str]:
     return []
 
 
-_FORMAT_TAGS = frozenset(("text", "json_object", "json_schema", "regex", "grammar"))
-
-
 def _field_of(err: ErrorDetails) -> str | None:
     loc = list(err["loc"])
     # a tagged union's errors name the tag after the field (response_format.regex.regex): not a
     # field of the client's message, so left out
     for i in range(len(loc) - 1, 0, -1):
-        if loc[i - 1] == "response_format" and loc[i] in _FORMAT_TAGS:
+        if loc[i - 1] == "response_format" and loc[i] in RESPONSE_FORMAT_TYPES:
             del loc[i]
     path = ".".join(str(p) for p in loc)
     if path:

@@ -19,7 +19,7 @@ import json
 import math
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -226,10 +226,15 @@ class GrammarFormat(_Format):
     grammar: str = Field(min_length=1, description="A context-free grammar in Lark syntax.")
 
 
+_FORMATS = (TextFormat, JsonObjectFormat, JsonSchemaFormat, RegexFormat, GrammarFormat)
 ResponseFormat = Annotated[
     TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat | GrammarFormat,
     Field(discriminator="type"),
 ]
+# Their `type` values: the tags of the union.
+RESPONSE_FORMAT_TYPES: tuple[str, ...] = tuple(
+    get_args(f.model_fields["type"].annotation)[0] for f in _FORMATS
+)
 
 
 class GenerateRequest(BaseModel):
