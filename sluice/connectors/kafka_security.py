@@ -20,10 +20,17 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka.errors import KafkaError
+from aiokafka.conn import create_conn
+from aiokafka.errors import (
+    IllegalSaslStateError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    UnsupportedSaslMechanismError,
+)
 
 ENV_SECURITY_PROTOCOL = "KAFKA_SECURITY_PROTOCOL"
 ENV_SASL_MECHANISM = "KAFKA_SASL_MECHANISM"
@@ -33,16 +40,6 @@ ENV_SSL_CAFILE = "KAFKA_SSL_CAFILE"
 ENV_SSL_CERTFILE = "KAFKA_SSL_CERTFILE"
 ENV_SSL_KEYFILE = "KAFKA_SSL_KEYFILE"
 ENV_SSL_KEY_PASSWORD = "KAFKA_SSL_KEY_PASSWORD"
-ENVIRONMENT = (
-    ENV_SECURITY_PROTOCOL,
-    ENV_SASL_MECHANISM,
-    ENV_SASL_USERNAME,
-    ENV_SASL_PASSWORD,
-    ENV_SSL_CAFILE,
-    ENV_SSL_CERTFILE,
-    ENV_SSL_KEYFILE,
-    ENV_SSL_KEY_PASSWORD,
-)
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -68,7 +65,7 @@ class KafkaSecurity:
     key_password: str | None = None
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | os._Environ[str] | None = None) -> KafkaSecurity:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KafkaSecurity:
         env = os.environ if environ is None else environ
 
         def get(name: str) -> str | None:
@@ -113,8 +110,11 @@ class KafkaSecurity:
                     f"{ENV_SECURITY_PROTOCOL}={self.protocol} needs {ENV_SASL_USERNAME} and "
                     f"{ENV_SASL_PASSWORD}"
                 )
-        tls_files = {ENV_SSL_CAFILE: self.cafile, ENV_SSL_CERTFILE: self.certfile}
-        tls_files[ENV_SSL_KEYFILE] = self.keyfile
+        tls_files = {
+            ENV_SSL_CAFILE: self.cafile,
+            ENV_SSL_CERTFILE: self.certfile,
+            ENV_SSL_KEYFILE: self.keyfile,
+        }
         if not self.uses_tls:
             given = [name for name, value in tls_files.items() if value]
             if given:
@@ -172,14 +172,8 @@ async def check_access(
     Raises KafkaRefused when a broker answers but refuses us; says nothing when none answers
     (the callers' own retries and errors cover a broker that is down).
     """
-    from aiokafka.conn import create_conn
-    from aiokafka.errors import (
-        IllegalSaslStateError,
-        SaslAuthenticationFailed,
-        UnsupportedSaslMechanismError,
-    )
-
     security = security or KafkaSecurity.from_env()
+    options = security.client_options()  # one TLS context for every address tried
     for address in bootstrap_servers.split(","):
         host, _, port = address.strip().rpartition(":")
         where = f"Kafka at {address.strip()}"
@@ -190,7 +184,7 @@ async def check_access(
                     int(port),
                     client_id="sluice-check",
                     request_timeout_ms=int(timeout_s * 1000),
-                    **security.client_options(),
+                    **options,
                 ),
                 timeout_s,
             )
