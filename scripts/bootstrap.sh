@@ -9,12 +9,13 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v java >/dev/null || need_apt+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || need_apt+=(maven)
+command -v openssl >/dev/null || need_apt+=(openssl)
 if ((${#need_apt[@]})); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
     echo "bootstrap: installing ${need_apt[*]} with apt-get"
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need_apt[@]}"
   else
-    echo "bootstrap: please install ${need_apt[*]} (the local Kafka broker needs them)" >&2
+    echo "bootstrap: please install ${need_apt[*]} (the local Kafka broker needs them; openssl makes its TLS certificates)" >&2
     exit 1
   fi
 fi

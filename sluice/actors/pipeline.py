@@ -40,6 +40,12 @@ from sluice.connectors.changelog import TOPIC_CONFIG as CHANGELOG_CONFIG
 from sluice.connectors.changelog import Changelog
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.kafka_security import (
+    KafkaRefused,
+    KafkaSecurity,
+    KafkaSecurityError,
+    check_access,
+)
 from sluice.connectors.sessions import RedisRefused, SessionStore
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 from sluice.connectors.topics import ensure_topics
@@ -149,6 +155,9 @@ class Pipeline:
             raise ValueError(
                 "--delivery exactly-once runs all roles in one process for now (not with --role)"
             )
+        security = KafkaSecurity.from_env()
+        log.info("kafka at %s: %s", c.bootstrap_servers, security.describe())
+        await check_access(c.bootstrap_servers, security)
         # Requests up to MAX_REQUEST_BYTES: a long prompt gets its prompt_too_long error, not a
         # refusal by the broker that the client would have to make sense of.
         await ensure_topics(
@@ -484,7 +493,7 @@ async def run_pipeline(config: PipelineConfig, role: str | None = None) -> int:
     except ActorFailed as exc:
         log.critical("%s; exiting", exc)
         return 1
-    except RedisRefused as exc:
+    except (RedisRefused, KafkaRefused, KafkaSecurityError) as exc:
         log.critical("%s", exc)
         return 2
     if pipeline.system.failure is not None:  # an actor failed while shutting down

@@ -22,6 +22,7 @@ import time
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import UnknownTopicOrPartitionError, for_code
 
+from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.topics import ensure_topics
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class ReplyTopics:
             self._admin = AIOKafkaAdminClient(
                 bootstrap_servers=self.bootstrap_servers,
                 request_timeout_ms=int(self.timeout_s * 1000),
+                **kafka_client_options(),
             )
             await self._admin.start()
         (described,) = await self._admin.describe_topics([topic])

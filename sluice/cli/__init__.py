@@ -8,6 +8,7 @@ import sys
 from sluice import __version__
 from sluice.cli import bench, chat, demo, generate, produce, replay, run, schema, stack, tail
 from sluice.cli.config_file import ConfigError, defaults_from_file
+from sluice.cli.kafka_security_flags import export_kafka_security
 from sluice.cli.logs import setup_logging
 
 
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_format, args.verbose)
+    export_kafka_security(args)
     return args.func(args)
 
 

@@ -26,9 +26,17 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaConnectionError
 
 from sluice.cli.formats import RESPONSE_FORMAT_HELP, response_format_arg
+from sluice.cli.kafka_security_flags import add_kafka_security_arguments
 from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.kafka_security import (
+    KafkaRefused,
+    KafkaSecurityError,
+    check_access,
+    kafka_client_options,
+)
 from sluice.connectors.settings import kafka_bootstrap_servers
 from sluice.schemas import (
     ErrorEvent,
@@ -67,6 +75,7 @@ def add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
         default="sluice",
         help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq (default: sluice)",
     )
+    add_kafka_security_arguments(group)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +139,18 @@ def bootstrap_from_args(args: argparse.Namespace) -> str:
     return args.bootstrap_servers or kafka_bootstrap_servers()
 
 
+async def start_checked(client: Any, bootstrap_servers: str) -> None:
+    """Start a Kafka client (anything with `start` and `stop`); when no broker took it, say in one
+    line whether one refused it (its credentials, certificates or protocol) rather than aiokafka's
+    "Unable to bootstrap"."""
+    try:
+        await client.start()
+    except KafkaConnectionError:
+        await client.stop()  # release what it opened before failing
+        await check_access(bootstrap_servers)  # raises KafkaRefused naming the setting at fault
+        raise
+
+
 # --- requests ---------------------------------------------------------------------------------
 
 
@@ -165,12 +186,13 @@ class Publisher:
     them."""
 
     def __init__(self, bootstrap_servers: str):
+        self.bootstrap_servers = bootstrap_servers
         self.producer = EventProducer(
             bootstrap_servers=bootstrap_servers, client_id="sluice-client", linger_ms=0
         )
 
     async def __aenter__(self) -> Publisher:
-        await self.producer.start()
+        await start_checked(self.producer, self.bootstrap_servers)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -219,6 +241,7 @@ class EventStream:
         isolation_level: str = "read_committed",
     ):
         self.topics = list(dict.fromkeys(topics))
+        self.bootstrap_servers = bootstrap_servers
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap_servers,
             group_id=None,
@@ -226,6 +249,7 @@ class EventStream:
             client_id="sluice-client",
             metadata_max_age_ms=5000,
             isolation_level=isolation_level,
+            **kafka_client_options(),
         )
         self._wanted: set[bytes] | None = (
             None if request_ids is None else {r.encode() for r in request_ids}
@@ -235,7 +259,7 @@ class EventStream:
         self._cluster: Any = None
 
     async def __aenter__(self) -> EventStream:
-        await self.consumer.start()
+        await start_checked(self.consumer, self.bootstrap_servers)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -546,7 +570,7 @@ def run_async(main: Coroutine[Any, Any, int], command: str, interrupted: int = E
     `interrupted`, and a closed stdout (`| head`) ends the command quietly."""
     try:
         return asyncio.run(main)
-    except ClientError as exc:
+    except (ClientError, KafkaRefused, KafkaSecurityError) as exc:
         print(f"sluice {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

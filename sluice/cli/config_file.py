@@ -4,7 +4,8 @@ environment.
 The file's keys are the flags' long names, with dashes or underscores (``max-in-flight = 32``,
 ``bootstrap_servers = "kafka:9092"``, ``no-sessions = true``), all at the top level. What decides
 a setting, first match wins: a flag on the command line, then its environment variable
-(``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``), then the file, then the default. An unknown key or
+(``KAFKA_BOOTSTRAP_SERVERS``, ``REDIS_URL``, ``KAFKA_SECURITY_PROTOCOL`` and the other Kafka
+security variables), then the file, then the default. An unknown key or
 a value of the wrong type is an error naming the key, before anything starts.
 """
 
@@ -17,10 +18,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from sluice.cli.kafka_security_flags import ENVIRONMENT as KAFKA_SECURITY_ENVIRONMENT
 from sluice.connectors.settings import ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL
 
 # Settings that an environment variable also sets: the variable wins over the file.
-ENVIRONMENT = {"bootstrap_servers": ENV_KAFKA_BOOTSTRAP, "redis_url": ENV_REDIS_URL}
+ENVIRONMENT = {
+    "bootstrap_servers": ENV_KAFKA_BOOTSTRAP,
+    "redis_url": ENV_REDIS_URL,
+    **KAFKA_SECURITY_ENVIRONMENT,
+}
 
 _NOT_SETTINGS = {"help", "config", "func"}
 
@@ -78,6 +84,8 @@ def defaults_from_file(path: str | Path, parser: argparse.ArgumentParser) -> dic
             raise ConfigError(f"{path}: {key}: not a setting of this command{hint}")
         if not _fits(action, value):
             raise ConfigError(f"{path}: {key}: must be {_kind(action)} (got {value!r})")
+        if action.type is str.upper and isinstance(value, str):
+            value = value.upper()  # as the flag takes it: sasl_ssl is SASL_SSL
         if action.choices is not None and value not in action.choices:
             choices = ", ".join(map(str, action.choices))
             raise ConfigError(f"{path}: {key}: must be one of {choices} (got {value!r})")

@@ -31,8 +31,10 @@ from sluice.cli.client import (
     bootstrap_from_args,
     follow,
     quiet_logging,
+    start_checked,
     validate,
 )
+from sluice.connectors.kafka_security import KafkaRefused, KafkaSecurityError
 from sluice.schemas import FinalEvent, GenerateRequest, TokenEvent
 from sluice.schemas.events import LOGPROB_FLOOR
 
@@ -103,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             raise ClientError("give a file of events, or --request-id to read them from Kafka")
         else:
             served = asyncio.run(_from_kafka(args))
-    except ClientError as exc:
+    except (ClientError, KafkaRefused, KafkaSecurityError) as exc:
         print(f"sluice replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
     report = replay(served, args.model, args.device, args.kv_cache_mb << 20)
@@ -223,12 +225,16 @@ async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -
     """The request `request_id` as published on `topic` (read from the beginning to the end)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
+    from sluice.connectors.kafka_security import kafka_client_options
     from sluice.schemas import RequestRejected, decode_request
 
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_from_args(args), group_id=None, enable_auto_commit=False
+        bootstrap_servers=bootstrap_from_args(args),
+        group_id=None,
+        enable_auto_commit=False,
+        **kafka_client_options(),
     )
-    await consumer.start()
+    await start_checked(consumer, bootstrap_from_args(args))
     try:
         cluster = await consumer._client.fetch_all_metadata()  # not subscribed: ask the broker
         tps = [TopicPartition(topic, p) for p in sorted(cluster.partitions_for_topic(topic) or ())]

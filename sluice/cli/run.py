@@ -7,6 +7,7 @@ import asyncio
 
 from sluice.actors.roles import ROLES
 from sluice.cli.generate import add_engine_arguments, engine_config_from_args
+from sluice.cli.kafka_security_flags import add_kafka_security_arguments
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 
 
@@ -23,6 +24,7 @@ def add_topic_arguments(parser: argparse.ArgumentParser) -> None:
         help="topics are PREFIX.requests, PREFIX.tokens, PREFIX.dlq, PREFIX.progress "
         "(default: sluice)",
     )
+    add_kafka_security_arguments(group)
 
 
 def topics_from_args(args: argparse.Namespace):

@@ -31,6 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="make Redis require this password (env SLUICE_REDIS_PASSWORD; REDIS_URL carries it)",
     )
     parser.add_argument(
+        "--kafka-sasl-ssl",
+        action="store_true",
+        help="the broker takes clients on SASL_SSL only: TLS with a CA made here, users logging "
+        "in with PLAIN or SCRAM-SHA-256/512 (env SLUICE_KAFKA_SASL_SSL=1); prints the KAFKA_* "
+        "settings clients need",
+    )
+    parser.add_argument(
         "--home", type=Path, help="data directory (env SLUICE_HOME, default ./.sluice)"
     )
     parser.set_defaults(func=run)
@@ -46,6 +53,8 @@ def settings_from_args(args: argparse.Namespace) -> StackSettings:
         settings.redis_port = args.redis_port
     if args.redis_password:
         settings.redis_password = args.redis_password
+    if args.kafka_sasl_ssl:
+        settings.kafka_sasl_ssl = True
     if args.home:
         settings.home = args.home.resolve()
     return settings
@@ -65,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name}: {'started' if started[name] else 'already running'}")
             print(f"KAFKA_BOOTSTRAP_SERVERS={settings.bootstrap_servers}")
             print(f"REDIS_URL={settings.redis_url}")
+            _print_kafka_security(stack)
             return 0
         if args.action == "down":
             stopped = stack.down()
@@ -77,10 +87,20 @@ def run(args: argparse.Namespace) -> int:
             f"{settings.bootstrap_servers}"
         )
         print(f"redis: {_describe(status.redis_pid, status.redis_answers)} {settings.redis_url}")
+        _print_kafka_security(stack)
         return 0 if status.healthy else 1
     except StackError as exc:
         print(f"sluice stack {args.action}: {exc}", file=sys.stderr)
         return 1
+
+
+def _print_kafka_security(stack: LocalStack) -> None:
+    listener = stack.kafka.sasl_ssl()
+    if listener is None:
+        return
+    for name, value in listener.client_environment().items():
+        print(f"{name}={value}")
+    print(f"# the broker takes SASL_SSL only: `source {stack.kafka.client_env_file}` sets these")
 
 
 def _describe(pid: int | None, answers: bool) -> str:

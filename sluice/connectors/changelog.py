@@ -23,6 +23,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.transactions import PartitionTransactions
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Changelog:
             bootstrap_servers=self.bootstrap_servers,
             enable_auto_commit=False,
             isolation_level="read_committed",  # an aborted transaction's records never count
+            **kafka_client_options(),
         )
         await self._consumer.start()
         partitions = await _partitions_of(self.bootstrap_servers, self.topic)
@@ -157,7 +159,7 @@ class Changelog:
 
 
 async def _partitions_of(bootstrap_servers: str, topic: str) -> list[int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **kafka_client_options())
     await admin.start()
     try:
         (described,) = await admin.describe_topics([topic])

@@ -19,6 +19,8 @@ import time
 import uuid
 from pathlib import Path
 
+from sluice.connectors.kafka_sasl_ssl import SaslSslListener
+from sluice.connectors.kafka_security import KafkaSecurity
 from sluice.connectors.processes import (
     StackError,
     owned_pid,
@@ -65,8 +67,12 @@ logger.state.level = WARN
 """
 
 
-def server_properties(settings: StackSettings, log_dir: Path) -> str:
-    """A single-node KRaft configuration: broker and controller in one process on loopback."""
+def server_properties(
+    settings: StackSettings, log_dir: Path, sasl_ssl: SaslSslListener | None = None
+) -> str:
+    """A single-node KRaft configuration: broker and controller in one process on loopback; the
+    clients' listener is SASL_SSL when `sasl_ssl` is given (the controller's stays plaintext on
+    loopback)."""
     broker = f"{LOOPBACK}:{settings.kafka_port}"
     controller = f"{LOOPBACK}:{settings.kafka_controller_port}"
     lines = {
@@ -97,6 +103,12 @@ def server_properties(settings: StackSettings, log_dir: Path) -> str:
         "log.retention.hours": "24",
         "log.segment.bytes": str(64 * 1024 * 1024),
     }
+    if sasl_ssl is not None:
+        secure = sasl_ssl.broker_properties(broker)
+        protocols = f"{secure.pop('listener.security.protocol.map')},CONTROLLER:PLAINTEXT"
+        lines.update(secure)
+        lines["listeners"] += f",CONTROLLER://{controller}"
+        lines["listener.security.protocol.map"] = protocols
     return "".join(f"{k}={v}\n" for k, v in lines.items())
 
 
@@ -139,6 +151,10 @@ class LocalKafka:
         self.log_file = self.dir / "broker.log"
         self.stdout_file = self.dir / "broker.out"
         self.pid_file = self.dir / "kafka.pid"
+        self.sasl_ssl_dir = self.dir / "sasl_ssl"
+        self.client_env_file = self.dir / "client.env"  # written while the broker is SASL_SSL
+        # Written when the storage was formatted with the SASL_SSL listener's SCRAM users.
+        self.scram_marker = self.data_dir / ".sluice-scram-users"
         self.jar_dir = settings.cache_dir / f"kafka-{settings.kafka_version}" / "libs"
 
     # -- status ------------------------------------------------------------------------------
@@ -148,7 +164,18 @@ class LocalKafka:
 
     def answers(self, timeout: float = 5.0) -> bool:
         """True when a metadata request to the broker succeeds."""
-        return asyncio.run(metadata_ok(self.settings.bootstrap_servers, timeout))
+        return asyncio.run(metadata_ok(self.settings.bootstrap_servers, timeout, self.security()))
+
+    def sasl_ssl(self) -> SaslSslListener | None:
+        """The SASL_SSL listener of the broker as last started (or starting), if it has one."""
+        if self.settings.kafka_sasl_ssl or self.client_env_file.exists():
+            return SaslSslListener.load_or_create(self.sasl_ssl_dir)
+        return None
+
+    def security(self) -> KafkaSecurity:
+        """How this stack's own checks log in to its broker."""
+        listener = self.sasl_ssl()
+        return KafkaSecurity() if listener is None else listener.client_security()
 
     # -- jars --------------------------------------------------------------------------------
 
@@ -226,8 +253,14 @@ class LocalKafka:
                     f"--kafka-controller-port / SLUICE_KAFKA_CONTROLLER_PORT)."
                 )
 
-    def _format_storage(self) -> None:
+    def _format_storage(self, sasl_ssl: SaslSslListener | None = None) -> None:
         if (self.data_dir / "meta.properties").exists():
+            if sasl_ssl is not None and not self.scram_marker.exists():
+                raise StackError(
+                    f"the Kafka data in {self.data_dir} was made without SASL users, which KRaft "
+                    "adds only when it formats storage: use another --home for the SASL_SSL "
+                    "stack, or remove that directory (its topics are lost)"
+                )
             return
         cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         # `=` form: a base64 id may start with "-", which would otherwise read as an option
@@ -237,6 +270,7 @@ class LocalKafka:
             f"--cluster-id={cluster_id}",
             "-c",
             str(self.config_file),
+            *(sasl_ssl.format_arguments() if sasl_ssl else ()),
             timeout=180,
         )
         if proc.returncode != 0:
@@ -244,6 +278,8 @@ class LocalKafka:
                 "formatting Kafka storage failed (kafka.tools.StorageTool):\n"
                 + (proc.stdout + proc.stderr).strip()[-2000:]
             )
+        if sasl_ssl is not None:
+            self.scram_marker.touch()
 
     def start(self, timeout: float = 120.0) -> bool:
         """Start the broker unless ours is already running. Returns True if it started one."""
@@ -263,9 +299,19 @@ class LocalKafka:
         self._check_ports()
         self.ensure_jars()
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.config_file.write_text(server_properties(self.settings, self.data_dir))
+        sasl_ssl = (
+            SaslSslListener.load_or_create(self.sasl_ssl_dir)
+            if self.settings.kafka_sasl_ssl
+            else None
+        )
+        self.config_file.touch(mode=0o600)  # it holds the SASL passwords
+        self.config_file.write_text(server_properties(self.settings, self.data_dir, sasl_ssl))
         self.log4j_file.write_text(_LOG4J2.format(log_file=self.log_file))
-        self._format_storage()
+        self._format_storage(sasl_ssl)
+        if sasl_ssl is None:
+            self.client_env_file.unlink(missing_ok=True)
+        else:
+            sasl_ssl.write_client_env(self.client_env_file)
         cmd = [
             java,
             "-Xms256m",
@@ -321,12 +367,16 @@ class LocalKafka:
         return True
 
 
-async def metadata_ok(bootstrap_servers: str, timeout: float) -> bool:
+async def metadata_ok(
+    bootstrap_servers: str, timeout: float, security: KafkaSecurity | None = None
+) -> bool:
     """One metadata round trip with aiokafka's client: the broker is up and serving."""
     from aiokafka.client import AIOKafkaClient
 
     client = AIOKafkaClient(
-        bootstrap_servers=bootstrap_servers, request_timeout_ms=int(timeout * 1000)
+        bootstrap_servers=bootstrap_servers,
+        request_timeout_ms=int(timeout * 1000),
+        **(security or KafkaSecurity.from_env()).client_options(),
     )
     try:
         await asyncio.wait_for(client.bootstrap(), timeout)

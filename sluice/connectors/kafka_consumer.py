@@ -38,6 +38,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, ConsumerStoppedError, IllegalStateError
 
+from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.offsets import OffsetTracker
 from sluice.connectors.settings import kafka_bootstrap_servers
 
@@ -155,7 +156,7 @@ class RequestConsumer:
             heartbeat_interval_ms=heartbeat_interval_ms,
             max_poll_interval_ms=max_poll_interval_ms,
             rebalance_timeout_ms=rebalance_timeout_ms,
-            **kafka_options,
+            **{**kafka_client_options(), **kafka_options},
         )
         self._consumer: AIOKafkaConsumer | None = None
         self._parts: dict[TopicPartition, _PartitionState] = {}

@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import RecordMetadata
 
+from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.settings import kafka_bootstrap_servers
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class EventProducer:
             linger_ms=linger_ms,
             compression_type=compression_type,
             request_timeout_ms=request_timeout_ms,
-            **kafka_options,
+            **{**kafka_client_options(), **kafka_options},
         )
         self._producer: AIOKafkaProducer | None = None
 

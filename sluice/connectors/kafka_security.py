@@ -31,6 +31,7 @@ from aiokafka.errors import (
     SaslAuthenticationFailed,
     UnsupportedSaslMechanismError,
 )
+from aiokafka.protocol.metadata import MetadataRequest
 
 ENV_SECURITY_PROTOCOL = "KAFKA_SECURITY_PROTOCOL"
 ENV_SASL_MECHANISM = "KAFKA_SASL_MECHANISM"
@@ -167,7 +168,8 @@ def kafka_client_options() -> dict[str, Any]:
 async def check_access(
     bootstrap_servers: str, security: KafkaSecurity | None = None, timeout_s: float = 10.0
 ) -> None:
-    """Connect once to the first bootstrap server that answers, authenticating as configured.
+    """Connect once to the first bootstrap server that answers, authenticating as configured,
+    and ask it for metadata (a SASL listener answers a client without SASL until then).
 
     Raises KafkaRefused when a broker answers but refuses us; says nothing when none answers
     (the callers' own retries and errors cover a broker that is down).
@@ -178,15 +180,8 @@ async def check_access(
         host, _, port = address.strip().rpartition(":")
         where = f"Kafka at {address.strip()}"
         try:
-            conn = await asyncio.wait_for(
-                create_conn(
-                    host.strip("[]"),
-                    int(port),
-                    client_id="sluice-check",
-                    request_timeout_ms=int(timeout_s * 1000),
-                    **options,
-                ),
-                timeout_s,
+            await asyncio.wait_for(
+                _connect_and_ask(host.strip("[]"), int(port), options), timeout_s
             )
         except ssl.SSLCertVerificationError as exc:
             raise KafkaRefused(
@@ -220,5 +215,12 @@ async def check_access(
             ) from None
         except OSError:
             continue
-        conn.close()
         return
+
+
+async def _connect_and_ask(host: str, port: int, options: dict[str, Any]) -> None:
+    conn = await create_conn(host, port, client_id="sluice-check", **options)
+    try:
+        await conn.send(MetadataRequest([]))
+    finally:
+        conn.close()

@@ -22,6 +22,7 @@ ENV_KAFKA_VERSION = "SLUICE_KAFKA_VERSION"
 ENV_REDIS_PORT = "SLUICE_REDIS_PORT"
 ENV_REDIS_APPENDFSYNC = "SLUICE_REDIS_APPENDFSYNC"
 ENV_REDIS_PASSWORD = "SLUICE_REDIS_PASSWORD"
+ENV_KAFKA_SASL_SSL = "SLUICE_KAFKA_SASL_SSL"
 
 DEFAULT_KAFKA_PORT = 9092
 DEFAULT_KAFKA_CONTROLLER_PORT = 9093
@@ -90,6 +91,13 @@ class StackSettings:
     # When set, the stack's Redis requires it (AUTH) and redis_url carries it.
     redis_password: str | None = field(
         default_factory=lambda: os.environ.get(ENV_REDIS_PASSWORD) or None
+    )
+
+    # When set, the stack's broker takes clients on SASL_SSL only (self-signed TLS, SCRAM users).
+    kafka_sasl_ssl: bool = field(
+        default_factory=lambda: (
+            os.environ.get(ENV_KAFKA_SASL_SSL, "").lower() in ("1", "true", "yes")
+        )
     )
 
     @property

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, UnknownTopicOrPartitionError, for_code
 
+from sluice.connectors.kafka_security import kafka_client_options
+
 log = logging.getLogger(__name__)
 
 
@@ -40,7 +42,9 @@ async def ensure_topics(
     right after do not see "unknown topic" errors. `config` applies to topics created here.
     """
     admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap_servers, request_timeout_ms=int(timeout * 1000)
+        bootstrap_servers=bootstrap_servers,
+        request_timeout_ms=int(timeout * 1000),
+        **kafka_client_options(),
     )
     await admin.start()
     try:

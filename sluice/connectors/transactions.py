@@ -30,6 +30,8 @@ from typing import Any
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.structs import RecordMetadata
 
+from sluice.connectors.kafka_security import kafka_client_options
+
 log = logging.getLogger(__name__)
 
 
@@ -61,7 +63,9 @@ class PartitionTransactions:
         self.bootstrap_servers = bootstrap_servers
         self.app_id = app_id
         self.group_id = group_id
-        self._options = dict(linger_ms=linger_ms, acks="all", **kafka_options)
+        self._options = dict(
+            linger_ms=linger_ms, acks="all", **{**kafka_client_options(), **kafka_options}
+        )
         self._partitions: dict[TopicPartition, _Partition] = {}
         self.commits = 0  # transactions committed
 

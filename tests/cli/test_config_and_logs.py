@@ -82,3 +82,33 @@ def test_json_logs_are_one_object_a_line():
     assert parse_args(["--log-format", "json", "run"]).log_format == "json"
     assert parse_args(["run", "--log-format", "json"]).log_format == "json"
     assert parse_args(["run"]).log_format == "text"
+
+
+def test_kafka_security_flags_set_the_variables_every_client_reads(tmp_path, monkeypatch):
+    from sluice.cli.kafka_security_flags import export_kafka_security
+    from sluice.connectors.kafka_security import KafkaSecurity
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read here")
+    for name in ("KAFKA_SECURITY_PROTOCOL", "KAFKA_SASL_MECHANISM", "KAFKA_SSL_CAFILE"):
+        monkeypatch.setenv(name, "")  # unset for the test, and put back as it was after it
+    monkeypatch.setenv("KAFKA_SASL_USERNAME", "from-env")
+    monkeypatch.setenv("KAFKA_SASL_PASSWORD", "secret")
+    config = write(
+        tmp_path,
+        'security-protocol = "sasl_ssl"\nsasl-mechanism = "SCRAM-SHA-512"\n'
+        f'ssl-cafile = "{ca}"\nsasl-username = "from-file"\n',
+    )
+    args = parse_args(["run", "--config", config, "--sasl-mechanism", "plain"])
+    export_kafka_security(args)
+    security = KafkaSecurity.from_env()
+    assert security.protocol == "SASL_SSL"  # the file's, as the flag would take it
+    assert security.sasl_mechanism == "PLAIN"  # the flag wins over the file
+    assert security.username == "from-env"  # the environment wins over the file
+    assert security.cafile == str(ca)
+
+
+def test_a_security_protocol_flag_outside_the_choices_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["tail", "--security-protocol", "tls"])
+    assert "--security-protocol: invalid choice: 'TLS'" in capsys.readouterr().err
