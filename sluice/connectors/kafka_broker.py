@@ -304,7 +304,8 @@ class LocalKafka:
             if self.settings.kafka_sasl_ssl
             else None
         )
-        self.config_file.touch(mode=0o600)  # it holds the SASL passwords
+        self.config_file.touch()
+        self.config_file.chmod(0o600)  # it holds the SASL passwords
         self.config_file.write_text(server_properties(self.settings, self.data_dir, sasl_ssl))
         self.log4j_file.write_text(_LOG4J2.format(log_file=self.log_file))
         self._format_storage(sasl_ssl)
