@@ -22,6 +22,7 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence as _Seq
 
+from sluice.engine.kv_events import KvEventLog
 from sluice.engine.sequence import Sequence
 
 NULL_BLOCK = 0
@@ -77,6 +78,7 @@ class BlockManager:
         # Token-level prefix-cache counters (every lookup counts, recomputes after preemption too).
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.kv_events: KvEventLog | None = None  # set by whoever publishes the cache's changes
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -130,6 +132,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache can find now (in use or free)."""
+        return list(self._hash_to_block)
+
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens `allocate` would take from the prefix cache for a seq holding no blocks (no side
         effects)."""
@@ -157,6 +163,8 @@ class BlockManager:
             h = self.block_hash[block]
             if h is not None and self._hash_to_block.get(h) == block:
                 del self._hash_to_block[h]
+                if self.kv_events is not None:
+                    self.kv_events.removed(h)
             self.block_hash[block] = None
         else:
             raise NoFreeBlocksError("no free KV blocks (check can_allocate first)")
@@ -208,6 +216,8 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self._hash_to_block:
                 self._hash_to_block[h] = block
                 self.block_hash[block] = h
+                if self.kv_events is not None:
+                    self.kv_events.stored(h)
         seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence) -> list[int]:
@@ -267,6 +277,9 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence references (e.g. between benchmark runs)."""
         for block in self._free_cached:
+            h = self.block_hash[block]
+            if h is not None and self.kv_events is not None:
+                self.kv_events.removed(h)
             self.block_hash[block] = None
             self._free_plain.append(block)
         self._free_cached.clear()

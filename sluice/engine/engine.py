@@ -40,6 +40,7 @@ from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.draws import new_seed
 from sluice.engine.errors import EngineError, check_prompt_fits
 from sluice.engine.kernel_ops import resolve_kernel_ops
+from sluice.engine.kv_events import KvEventLog, KvEvents
 from sluice.engine.loader import LoadedModel, build_model, load_model
 from sluice.engine.memory import memory_report
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
@@ -375,6 +376,23 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         return {**self.scheduler.stats(), "num_requests": len(self._requests)}
+
+    # -- the prefix cache's changes, for a router ---------------------------------------------
+
+    def record_kv_events(self) -> None:
+        """From now on, note every block the prefix cache gains or loses (`take_kv_events`)."""
+        blocks = self.scheduler.block_manager
+        if blocks.kv_events is None:
+            blocks.kv_events = KvEventLog()
+
+    def take_kv_events(self) -> KvEvents:
+        """What the prefix cache gained and lost since the last call."""
+        log_ = self.scheduler.block_manager.kv_events
+        return log_.take() if log_ is not None else KvEvents()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block the prefix cache holds now, by its chained hash."""
+        return self.scheduler.block_manager.cached_hashes()
 
     # -- one step ------------------------------------------------------------------------------
 

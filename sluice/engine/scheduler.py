@@ -190,6 +190,8 @@ class BatchScheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "kv_cache_usage": bm.usage(),
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "num_kv_blocks": bm.num_usable_blocks,
             "prefix_cache_hit_rate": bm.prefix_hit_rate(),
             "prefix_cache_query_tokens": bm.prefix_query_tokens,
             "prefix_cache_hit_tokens": bm.prefix_hit_tokens,

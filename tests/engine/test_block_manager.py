@@ -23,6 +23,7 @@ from sluice.engine.block_manager import (
     prefix_block_hashes,
     root_hash,
 )
+from sluice.engine.kv_events import KvEventLog
 from sluice.engine.sequence import Sequence
 
 
@@ -407,8 +408,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(num_blocks=13, block_size=self.BS)
+        self.bm.kv_events = KvEventLog()
         self.kv = KVSim(self.BS)
         self.seqs: list[Sequence] = []
+        self.reported: set[bytes] = set()  # the cache as its KV events tell it
 
     @initialize(
         prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 3), min_size=1, max_size=8)
@@ -477,6 +480,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def every_context_intact(self):
         for seq in self.seqs:
             self.kv.step(seq, 0)
+
+    @invariant()
+    def kv_events_tell_the_cache(self):
+        """Applying each batch of KV events to a copy of the cache's hashes gives the cache's
+        hashes: what a router learns from a runner is what the runner holds."""
+        events = self.bm.kv_events.take()
+        assert not set(events.stored) & set(events.removed)
+        self.reported |= set(events.stored)
+        self.reported -= set(events.removed)
+        assert self.reported == set(self.bm.cached_hashes())
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
