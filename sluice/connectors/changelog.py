@@ -20,10 +20,10 @@ import logging
 from collections.abc import Mapping
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
+from sluice.connectors.topics import partitions_of
 from sluice.connectors.transactions import PartitionTransactions
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Changelog:
             **kafka_client_options(),
         )
         await self._consumer.start()
-        partitions = await _partitions_of(self.bootstrap_servers, self.topic)
+        partitions = await partitions_of(self.bootstrap_servers, self.topic)
         self._partitions = [TopicPartition(self.topic, p) for p in sorted(partitions)]
         self._consumer.assign(self._partitions)
         await self._consumer.seek_to_beginning(*self._partitions)
@@ -156,16 +156,3 @@ class Changelog:
             self._table.pop(key, None)
         else:
             self._table[key] = record.value
-
-
-async def _partitions_of(bootstrap_servers: str, topic: str) -> list[int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **kafka_client_options())
-    await admin.start()
-    try:
-        (described,) = await admin.describe_topics([topic])
-    finally:
-        await admin.close()
-    partitions = [p["partition"] for p in described["partitions"]]
-    if described["error_code"] != 0 or not partitions:
-        raise RuntimeError(f"changelog topic {topic} has no partitions (does it exist?)")
-    return partitions

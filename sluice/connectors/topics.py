@@ -133,3 +133,18 @@ def _topic_errors(response) -> list[tuple[str, int, str | None]]:
     return [
         (item[0], item[1], item[2] if len(item) > 2 else None) for item in response.topic_errors
     ]
+
+
+async def partitions_of(bootstrap_servers: str, topic: str) -> list[int]:
+    """The partition numbers of an existing topic (as the broker's controller knows them: a topic
+    made a moment ago counts, which a client's cached metadata may not show yet)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, **kafka_client_options())
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    partitions = [p["partition"] for p in described["partitions"]]
+    if described["error_code"] != 0 or not partitions:
+        raise RuntimeError(f"topic {topic} has no partitions (does it exist?)")
+    return sorted(partitions)
