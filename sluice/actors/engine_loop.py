@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from sluice.actors.messages import TokenizedRequest
 from sluice.engine import EngineError, LLMEngine, SamplingParams, StepOutput
+from sluice.engine.kv_events import KvEvents
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,20 @@ class Rejection:
     error: EngineError  # why the engine would not take it
 
 
+class SnapshotWanted:
+    """Handed to the engine thread for the next step result to carry every cached block."""
+
+
 @dataclass
 class StepResult:
     rejections: list[Rejection] = field(default_factory=list)
     outputs: list[StepOutput] = field(default_factory=list)
     # Aborted at their deadline this step; their final outputs are among `outputs`.
     expired: list[str] = field(default_factory=list)
+    # How the prefix cache changed in this step (when the engine records it), and, when one was
+    # wanted, every block it holds after the step (which the changes are part of).
+    kv_events: KvEvents = field(default_factory=KvEvents)
+    kv_snapshot: list[bytes] | None = None
 
 
 class EngineLoop:
@@ -46,8 +55,12 @@ class EngineLoop:
         self.engine = engine
         self._rejections: list[Rejection] = []  # since the last step
         self._deadlines: dict[str, float] = {}  # request id -> unix deadline
+        self._snapshot_wanted = False
 
-    def accept(self, admission: Admission) -> None:
+    def accept(self, admission: Admission | SnapshotWanted) -> None:
+        if isinstance(admission, SnapshotWanted):
+            self._snapshot_wanted = True
+            return
         work = admission.work
         request = work.request
         try:
@@ -66,13 +79,17 @@ class EngineLoop:
             self._deadlines[request.request_id] = request.deadline
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished() or bool(self._rejections)
+        return self.engine.has_unfinished() or bool(self._rejections) or self._snapshot_wanted
 
     def step(self) -> StepResult:
         expired = self._abort_expired()
         rejections, self._rejections = self._rejections, []
         outputs = self.engine.step() if self.engine.has_unfinished() else []
-        return StepResult(rejections, outputs, expired)
+        result = StepResult(rejections, outputs, expired, self.engine.take_kv_events())
+        if self._snapshot_wanted:
+            self._snapshot_wanted = False
+            result.kv_snapshot = self.engine.cached_block_hashes()
+        return result
 
     def _abort_expired(self) -> list[str]:
         """Abort requests past their deadline: their final output (finish_reason "abort") keeps

@@ -118,3 +118,21 @@ class Metrics:
             ["runner"],
             registry=r,
         )
+        self.routed = Counter(
+            "sluice_routed_requests_total",
+            "Requests the scheduler sent to each runner, by why it chose that runner (prefix, "
+            "session, least loaded, round robin).",
+            ["runner", "why"],
+            registry=r,
+        )
+        self.routed_cached_blocks = Counter(
+            "sluice_routed_cached_blocks_total",
+            "Prompt blocks the routing index expected the chosen runner to hold cached.",
+            ["runner"],
+            registry=r,
+        )
+        self.runners_live = Gauge(
+            "sluice_runners_live",
+            "Runners whose KV events the scheduler heard from recently (routed modes).",
+            registry=r,
+        )

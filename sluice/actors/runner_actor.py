@@ -14,6 +14,7 @@ tokens with its recorded seed, so no (request_id, seq) is ever sent with another
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -22,12 +23,13 @@ from dataclasses import dataclass, field
 from aiokafka.structs import TopicPartition
 
 from sluice.actors.conversation import remembered_turn
-from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, StepResult
+from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, SnapshotWanted, StepResult
 from sluice.actors.errors import error_step, wire_code
+from sluice.actors.kv_events import KvEventPublisher, RunnerLoad
 from sluice.actors.messages import Ack, Envelope, StepMessage, TokenizedRequest, no_ack
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
-from sluice.actors.runtime import Actor, ThreadedWorker
+from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
@@ -98,8 +100,11 @@ class RunnerActor(Actor):
         progress: ProgressLog | None = None,
         max_crashes: int = 5,
         name: str | None = None,
+        kv_events: KvEventPublisher | None = None,
     ):
         super().__init__(name or runner_id, capacity=max_queue)
+        self.kv_events = kv_events  # with a router: where the prefix cache's changes go
+        self._snapshot_asked = False
         self.engine = engine
         self.send_steps = send_steps
         self.progress = progress
@@ -122,6 +127,8 @@ class RunnerActor(Actor):
             metrics.runner_peak_queue.labels(runner_id).set(0)
 
     async def on_start(self) -> None:
+        if self.kv_events is not None:
+            self.engine.record_kv_events()  # (the engine thread is not running yet)
         loop = EngineLoop(self.engine)
         self._worker = ThreadedWorker(
             step=loop.step,
@@ -132,6 +139,9 @@ class RunnerActor(Actor):
         )
         self._worker.start()
         self.spawn(self._pump(), name=f"{self.runner_id}-pump")
+        if self.kv_events is not None:
+            self._snapshot_asked = False  # (a restart lost the one asked for)
+            self.spawn(self._report_kv(), name=f"{self.runner_id}-kv-events")
         readmit, self._readmit = self._readmit, []
         for tracked in readmit:
             if tracked.record is None:
@@ -344,8 +354,39 @@ class RunnerActor(Actor):
                 await self.send_steps(envelope)
             if self._probing is not None:
                 self._next_suspect()
+            if self.kv_events is not None:
+                if result.kv_snapshot is not None:
+                    self._snapshot_asked = False
+                    await self.kv_events.snapshot(result.kv_snapshot, self.load())
+                else:
+                    await self.kv_events.changes(result.kv_events, self.load())
             if self.metrics:
                 self._observe()
+
+    async def _report_kv(self) -> None:
+        """Heartbeats with the runner's load, and now and then every block it holds."""
+        publisher = self.kv_events
+        assert publisher is not None and self._worker is not None
+        while True:
+            if publisher.snapshot_due() and not self._snapshot_asked:
+                self._snapshot_asked = True
+                try:
+                    self._worker.submit(SnapshotWanted())  # the engine thread lists them
+                except WorkerStopped:
+                    return  # stopping
+            elif publisher.heartbeat_due():
+                await publisher.heartbeat(self.load())
+            await asyncio.sleep(publisher.heartbeat_s / 4)
+
+    def load(self) -> RunnerLoad:
+        """What this runner holds, for the router (plain reads: a slightly stale value is fine)."""
+        stats = self.engine.stats()
+        return RunnerLoad(
+            running=len(self._tracked),
+            waiting=int(stats["num_waiting"]),
+            free_blocks=int(stats["num_free_kv_blocks"]),
+            num_blocks=int(stats["num_kv_blocks"]),
+        )
 
     async def _record(
         self, messages: list[tuple[StepMessage, Ack | None, _Tracked | None]]
