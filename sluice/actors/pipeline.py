@@ -25,6 +25,8 @@ from functools import partial
 from sluice.actors.answered import AnsweredInputs
 from sluice.actors.health import OpsServer
 from sluice.actors.ingress import Ingress
+from sluice.actors.kv_events import SNAPSHOT_EVERY_S, KvEventPublisher, KvEventsMessage
+from sluice.actors.kv_router import DEAD_AFTER_S, LOAD_MARGIN, ROUTINGS, KvRouter
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import ProgressLog
@@ -48,6 +50,7 @@ from sluice.connectors.kafka_security import (
 )
 from sluice.connectors.sessions import RedisRefused, SessionStore
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
+from sluice.connectors.topic_tail import TopicTail
 from sluice.connectors.topics import ensure_topics
 from sluice.connectors.transactions import PartitionTransactions
 from sluice.engine import EngineConfig
@@ -57,6 +60,8 @@ log = logging.getLogger(__name__)
 AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
 MAX_REQUEST_BYTES = 4 << 20  # the largest request the requests topic takes
 DELIVERIES = (AT_LEAST_ONCE, EXACTLY_ONCE)
+KV_EVENTS_CONFIG = {"retention.ms": str(3_600_000)}  # schedulers read back 2 snapshot intervals
+TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 METADATA_REFRESH_MS = 10_000  # how soon the consumer sees a new topic of its pattern
 BROKER_PROBE_S = 5.0  # how often /readyz's broker check asks the broker for metadata
 BROKER_FRESH_S = 3 * BROKER_PROBE_S  # not ready once the broker has not answered for this long
@@ -71,11 +76,24 @@ class Topics:
     work: str = "sluice.internal.work"
     steps: str = "sluice.internal.steps"
     progress: str = "sluice.progress"  # compacted: what each request in flight has published
+    kv_events: str = "sluice.kv-events"  # runners' cached blocks and load, for routing
     replies: str = "sluice.replies.*"  # the pattern a request's reply_topic must match
 
     def reserved(self) -> set[str]:
         """The pipeline's own topics: never a reply topic."""
-        return {self.requests, self.dlq, self.progress, self.tokenized, self.work, self.steps}
+        return {
+            self.requests,
+            self.dlq,
+            self.progress,
+            self.tokenized,
+            self.work,
+            self.steps,
+            self.kv_events,
+        }
+
+    def runner_work(self, runner_id: str) -> str:
+        """The work topic of one runner, when requests are routed to runners (`--routing kv`)."""
+        return f"{self.work}.{runner_id}"
 
 
 @dataclass
@@ -105,6 +123,16 @@ class PipelineConfig:
     # Also read PREFIX.requests.<tenant>, whose name decides the request's tenant (so Kafka ACLs
     # decide who may act as which tenant).
     tenant_topics: bool = False
+    # How the scheduler picks a runner, with one role per process: "session" (the shared work
+    # topic keyed by session), "kv" (the runner caching the longest prefix, by KV events) or
+    # "round-robin" (by turns; both of these give each runner a work topic of its own).
+    routing: str = "session"
+    load_margin: int = LOAD_MARGIN  # kv routing: most requests over the least loaded runner
+    runner_dead_after_s: float = DEAD_AFTER_S  # a runner silent this long is not routed to
+
+    @property
+    def routed(self) -> bool:
+        return self.routing != "session"
 
 
 def tenant_topics_pattern(requests_topic: str) -> str:
@@ -143,6 +171,8 @@ class Pipeline:
         self.ops: OpsServer | None = None
         self._broker_answered_at: float | None = None  # monotonic
         self._broker_watch: asyncio.Task | None = None
+        self.router: KvRouter | None = None  # the scheduler's, when routing to runners
+        self._kv_feed: asyncio.Task | None = None
 
     # -- assembly ------------------------------------------------------------------------------
 
@@ -154,6 +184,13 @@ class Pipeline:
         if exactly_once and self.role is not None:
             raise ValueError(
                 "--delivery exactly-once runs all roles in one process for now (not with --role)"
+            )
+        if c.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {c.routing!r}")
+        if c.routed and self.role == "runner" and not TOPIC_NAME.fullmatch(c.runner_id):
+            raise ValueError(
+                f"--runner-id {c.runner_id!r}: with --routing {c.routing} it names the runner's "
+                "work topic, so it takes letters, digits, '.', '_' and '-' only"
             )
         security = KafkaSecurity.from_env()
         log.info("kafka at %s: %s", c.bootstrap_servers, security.describe())
@@ -181,6 +218,12 @@ class Pipeline:
             await ensure_topics(
                 c.bootstrap_servers, {t.progress: c.partitions}, config=CHANGELOG_CONFIG
             )
+        if c.routed and self.role in ("scheduler", "runner"):
+            await ensure_topics(
+                c.bootstrap_servers, {t.kv_events: c.partitions}, config=KV_EVENTS_CONFIG
+            )
+        if c.routed and self.role == "runner":
+            await ensure_topics(c.bootstrap_servers, {t.runner_work(c.runner_id): c.partitions})
         if c.metrics_port is not None:
             self.ops = OpsServer(self.metrics.registry, self.readiness, self.alive)
             port = self.ops.start(c.metrics_port)
@@ -192,6 +235,8 @@ class Pipeline:
         self._broker_answered_at = time.monotonic()
         self._broker_watch = asyncio.ensure_future(self._watch_broker())
         group = c.group if self.role is None else f"{c.group}-{self.role}"
+        if c.routed and self.role == "runner":
+            group = f"{group}-{c.runner_id}"  # its own topic: nobody else's joins disturb it
         self.output = self.producer
         if exactly_once:
             self.output = PartitionTransactions(c.bootstrap_servers, app_id=c.group, group_id=group)
@@ -390,17 +435,84 @@ class Pipeline:
 
     async def _build_scheduler(self):
         c, t = self.config, self.config.topics
+        if not c.routed:
+            actor = SchedulerActor(
+                [self._sink(t.work, routing_key)],
+                self._sink(t.steps, _request_key),
+                capacity=c.max_in_flight,
+            )
+            self.system.add(actor)
+            return actor, t.tokenized, TokenizedRequest.model_validate_json
+        self.router = KvRouter(
+            policy=c.routing, load_margin=c.load_margin, dead_after_s=c.runner_dead_after_s
+        )
+        tail = TopicTail(c.bootstrap_servers, t.kv_events, since_s=2 * SNAPSHOT_EVERY_S + 5)
+        await tail.start()
+        self._kv_feed = asyncio.ensure_future(self._feed_router(tail, self.router))
+        sinks: dict[str, KafkaSink] = {}
+
+        def work_topic(topic: str) -> KafkaSink:
+            if topic not in sinks:
+                sinks[topic] = self._sink(topic, routing_key)
+            return sinks[topic]
+
         actor = SchedulerActor(
-            [self._sink(t.work, routing_key)],
+            [],
             self._sink(t.steps, _request_key),
+            router=self.router,
+            work_topic=work_topic,
+            metrics=self.metrics,
             capacity=c.max_in_flight,
         )
         self.system.add(actor)
+        log.info(
+            "routing requests to runners by %s (load margin %d requests; a runner silent for "
+            "%.0f s is left out), from the KV events on %s",
+            "cached prefix" if c.routing == "kv" else "turns",
+            c.load_margin,
+            c.runner_dead_after_s,
+            t.kv_events,
+        )
         return actor, t.tokenized, TokenizedRequest.model_validate_json
+
+    async def _feed_router(self, tail: TopicTail, router: KvRouter) -> None:
+        """Apply the runners' KV events to the routing index, as they come."""
+        try:
+            while True:
+                try:
+                    async for values in tail.batches():
+                        for value in values:
+                            try:
+                                router.apply(KvEventsMessage.model_validate_json(value))
+                            except ValueError as exc:
+                                log.warning("a KV event that does not parse was skipped: %s", exc)
+                        self.metrics.runners_live.set(len(router.live()))
+                except Exception:
+                    log.exception("reading the KV events failed; reading on in 1 s")
+                    await asyncio.sleep(1.0)
+        finally:
+            await tail.stop()
 
     async def _build_runner(self):
         c, t = self.config, self.config.topics
         engine = await self._engine()
+        work, publisher = t.work, None
+        if c.routed:
+            work = t.runner_work(c.runner_id)
+            publisher = KvEventPublisher(
+                partial(self._send_kv_events, t.kv_events),
+                runner_id=c.runner_id,
+                work_topic=work,
+                block_size=engine.config.block_size,
+            )
+            log.info(
+                "runner %s reads its own work topic %s and reports its cached blocks and load "
+                "to %s every %.0f s",
+                c.runner_id,
+                work,
+                t.kv_events,
+                publisher.heartbeat_s,
+            )
         actor = RunnerActor(
             engine,
             self._sink(t.steps, _request_key),
@@ -409,10 +521,16 @@ class Pipeline:
             metrics=self.metrics,
             progress=self.progress,
             max_crashes=c.max_crashes,
+            kv_events=publisher,
         )
         self.system.add(actor)
         self.runner = actor
-        return actor, t.work, TokenizedRequest.model_validate_json
+        return actor, work, TokenizedRequest.model_validate_json
+
+    async def _send_kv_events(self, topic: str, message: KvEventsMessage) -> None:
+        assert self.producer is not None
+        value = message.model_dump_json(exclude_defaults=True).encode()
+        await self.producer.send(topic, key=message.runner_id, value=value)
 
     async def _build_streamer(self):
         actor = self._streamer()
@@ -457,6 +575,8 @@ class Pipeline:
     async def shutdown(self) -> None:
         if self._broker_watch is not None:
             self._broker_watch.cancel()
+        if self._kv_feed is not None:
+            self._kv_feed.cancel()
         if self.consumer is not None:
             await self.consumer.stop()  # waits for in-flight records (bounded), commits, leaves
         if self.ingress is not None:

@@ -39,6 +39,7 @@ def topics_from_args(args: argparse.Namespace):
         work=f"{p}.internal.work",
         steps=f"{p}.internal.steps",
         progress=f"{p}.progress",
+        kv_events=f"{p}.kv-events",
         replies=getattr(args, "reply_topics", None) or f"{p}.replies.*",
     )
 
@@ -141,7 +142,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="serve Prometheus metrics (/metrics) and the /healthz and /readyz probes on this port",
     )
-    parser.add_argument("--runner-id", help="name of this runner (default: host and pid)")
+    parser.add_argument(
+        "--runner-id",
+        help="name of this runner (default: host and pid); with --routing kv or round-robin it "
+        "names the runner's work topic PREFIX.internal.work.ID, so keep it across restarts",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=["session", "kv", "round-robin"],
+        default="session",
+        help="how the scheduler role picks a runner: session (the shared work topic keyed by "
+        "session; Kafka spreads its partitions), kv (the runner caching the longest prefix of "
+        "the prompt, learnt from the runners' KV events on PREFIX.kv-events) or round-robin; "
+        "the scheduler and every runner must be given the same (default: session)",
+    )
+    parser.add_argument(
+        "--load-margin",
+        type=int,
+        default=8,
+        help="kv routing: a runner holding this many requests more than the least loaded one "
+        "is passed over, whatever it has cached (default 8)",
+    )
+    parser.add_argument(
+        "--runner-dead-after-s",
+        type=float,
+        default=10.0,
+        help="routed modes: a runner whose KV events stopped this long is not routed to "
+        "(default 10; runners report every second)",
+    )
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -177,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
         commit_interval_ms=args.commit_interval_ms,
         event_format=args.event_format,
         tenant_topics=args.tenant_topics,
+        routing=args.routing,
+        load_margin=args.load_margin,
+        runner_dead_after_s=args.runner_dead_after_s,
     )
     if args.runner_id:
         config.runner_id = args.runner_id
