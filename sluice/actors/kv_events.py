@@ -6,7 +6,9 @@ On `PREFIX.kv-events`, keyed by runner id (so one runner's messages stay in orde
 - every `heartbeat_s`, its load (running and waiting requests, free KV blocks), even when idle:
   a runner whose messages stop is taken for gone;
 - every `snapshot_every_s`, and first of all, every block it holds: a scheduler that starts
-  later reads back one snapshot interval and has the whole picture.
+  later reads back one snapshot interval and has the whole picture;
+- when it stops (drained and out of its consumer group), that it is leaving: it is no longer
+  routed to at once, and what is left in its work topic is moved (`failover.py`).
 
 A block is named by the first 8 bytes of its chained prefix hash (which carries the tenant's
 salt): plenty to tell the blocks of a few runners apart, and a wrong match only costs a cache
@@ -64,6 +66,7 @@ class KvEventsMessage(BaseModel):
 
     runner_id: str
     work_topic: str  # where requests for this runner go
+    work_group: str = ""  # the consumer group reading it: who takes its requests over if it dies
     incarnation: str  # new each time the runner starts: its earlier cache is gone
     seq: int  # per incarnation: 0, 1, 2, ...
     sent_at: float  # unix time
@@ -72,6 +75,7 @@ class KvEventsMessage(BaseModel):
     snapshot: bool = False  # `stored` is every block the runner holds: forget what was known
     stored: str = ""  # packed hashes (pack_hashes)
     removed: str = ""
+    leaving: bool = False  # its last message: the runner stopped
 
 
 class KvEventPublisher:
@@ -83,6 +87,7 @@ class KvEventPublisher:
         *,
         runner_id: str,
         work_topic: str,
+        work_group: str,
         block_size: int,
         heartbeat_s: float = HEARTBEAT_S,
         snapshot_every_s: float = SNAPSHOT_EVERY_S,
@@ -90,6 +95,7 @@ class KvEventPublisher:
         self._send = send
         self.runner_id = runner_id
         self.work_topic = work_topic
+        self.work_group = work_group
         self.block_size = block_size
         self.heartbeat_s = heartbeat_s
         self.snapshot_every_s = snapshot_every_s
@@ -98,6 +104,7 @@ class KvEventPublisher:
         self._last_sent = 0.0  # monotonic
         self._last_snapshot: float | None = None  # monotonic; None: none sent yet
         self._lock = asyncio.Lock()  # one message at a time, so their order is their seq's
+        self._left = False  # after `leave`, nothing more is sent
 
     def snapshot_due(self) -> bool:
         last = self._last_snapshot
@@ -118,11 +125,19 @@ class KvEventPublisher:
     async def heartbeat(self, load: RunnerLoad) -> None:
         await self._publish(load)
 
+    async def leave(self) -> None:
+        """Say that the runner stopped; later messages are not sent."""
+        await self._publish(RunnerLoad(), leaving=True)
+        self._left = True
+
     async def _publish(self, load: RunnerLoad, **blocks) -> None:
         async with self._lock:
+            if self._left:
+                return
             message = KvEventsMessage(
                 runner_id=self.runner_id,
                 work_topic=self.work_topic,
+                work_group=self.work_group,
                 incarnation=self.incarnation,
                 seq=self._seq,
                 sent_at=time.time(),

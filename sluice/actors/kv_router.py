@@ -4,7 +4,8 @@ For each runner the index holds the blocks it has cached (`kv_events.py`) and it
 goes to the runner holding the longest cached prefix of its prompt, unless that runner's load
 exceeds the least loaded one's by more than `load_margin` requests (then to the least loaded); a
 session's next turn goes where its last turn went, while that runner lives and is not overloaded.
-A runner whose messages stopped for `dead_after_s` is not chosen.
+A runner whose messages stopped for `dead_after_s`, or that said it was leaving, is not chosen
+(and `failover.py` moves what it left unfinished).
 
 A request's blocks are counted as cached on the runner chosen for it at once, before the runner
 reports them: the next request with the same prefix, arriving before the first one's prefill is
@@ -40,12 +41,14 @@ class RunnerView:
 
     runner_id: str
     work_topic: str
+    work_group: str
     incarnation: str
     block_size: int
     heard_at: float  # monotonic, of its last message
     load: RunnerLoad
     blocks: set[bytes] = field(default_factory=set)  # short hashes
     routed_since_report: int = 0  # requests sent to it since its last report of its load
+    left: bool = False  # it said it stopped
 
     @property
     def pending(self) -> int:
@@ -94,6 +97,7 @@ class KvRouter:
             view = RunnerView(
                 message.runner_id,
                 message.work_topic,
+                message.work_group,
                 message.incarnation,
                 message.block_size,
                 now,
@@ -101,6 +105,9 @@ class KvRouter:
             )
             self.runners[message.runner_id] = view
         view.heard_at, view.load, view.routed_since_report = now, message.load, 0
+        if message.leaving:
+            log.info("runner %s stopped: no longer routed to", message.runner_id)
+            view.left = True
         if message.snapshot:
             view.blocks = set(unpack_hashes(message.stored))
         else:
@@ -108,10 +115,11 @@ class KvRouter:
             view.blocks.difference_update(unpack_hashes(message.removed))
         self._heard.set()
 
+    def is_live(self, view: RunnerView) -> bool:
+        return not view.left and self._clock() - view.heard_at < self.dead_after_s
+
     def live(self) -> list[RunnerView]:
-        now = self._clock()
-        alive = [v for v in self.runners.values() if now - v.heard_at < self.dead_after_s]
-        return sorted(alive, key=lambda v: v.runner_id)
+        return sorted(filter(self.is_live, self.runners.values()), key=lambda v: v.runner_id)
 
     async def wait_for_runner(self) -> None:
         """Until some runner is alive."""

@@ -40,6 +40,9 @@ class TokenizedRequest(_Internal):
     history_tokens: int = 0  # prompt tokens that came from earlier turns of the session
     received_at: float  # unix time the request was read from Kafka (queue time starts here)
     published_at: float | None = None  # unix time the client published it (its record's time)
+    # The runner it was first sent to, when that runner died before finishing it and the
+    # scheduler moved it (`failover.py`): its progress may be newer than this runner has read.
+    taken_over_from: str | None = None
 
 
 class StepMessage(_Internal):

@@ -121,13 +121,19 @@ class Metrics:
         self.routed = Counter(
             "sluice_routed_requests_total",
             "Requests the scheduler sent to each runner, by why it chose that runner (prefix, "
-            "session, least loaded, round robin).",
+            "session, least loaded, round robin, failover).",
             ["runner", "why"],
             registry=r,
         )
         self.routed_cached_blocks = Counter(
             "sluice_routed_cached_blocks_total",
             "Prompt blocks the routing index expected the chosen runner to hold cached.",
+            ["runner"],
+            registry=r,
+        )
+        self.failover_moved = Counter(
+            "sluice_failover_moved_requests_total",
+            "Unfinished requests moved from a dead runner's work topic to a live runner.",
             ["runner"],
             registry=r,
         )

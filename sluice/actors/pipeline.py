@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from sluice.actors.answered import AnsweredInputs
+from sluice.actors.failover import RunnerFailover
 from sluice.actors.health import OpsServer
 from sluice.actors.ingress import Ingress
 from sluice.actors.kv_events import SNAPSHOT_EVERY_S, KvEventPublisher, KvEventsMessage
@@ -173,6 +174,9 @@ class Pipeline:
         self._broker_watch: asyncio.Task | None = None
         self.router: KvRouter | None = None  # the scheduler's, when routing to runners
         self._kv_feed: asyncio.Task | None = None
+        self._failover: asyncio.Task | None = None
+        self.kv_events: KvEventPublisher | None = None  # a routed runner's
+        self.group = ""  # the consumer group this process reads its input in
 
     # -- assembly ------------------------------------------------------------------------------
 
@@ -237,6 +241,7 @@ class Pipeline:
         group = c.group if self.role is None else f"{c.group}-{self.role}"
         if c.routed and self.role == "runner":
             group = f"{group}-{c.runner_id}"  # its own topic: nobody else's joins disturb it
+        self.group = group
         self.output = self.producer
         if exactly_once:
             self.output = PartitionTransactions(c.bootstrap_servers, app_id=c.group, group_id=group)
@@ -449,6 +454,11 @@ class Pipeline:
         tail = TopicTail(c.bootstrap_servers, t.kv_events, since_s=2 * SNAPSHOT_EVERY_S + 5)
         await tail.start()
         self._kv_feed = asyncio.ensure_future(self._feed_router(tail, self.router))
+        assert self.producer is not None
+        failover = RunnerFailover(
+            self.router, self.producer, c.bootstrap_servers, metrics=self.metrics
+        )
+        self._failover = asyncio.ensure_future(failover.run())
         sinks: dict[str, KafkaSink] = {}
 
         def work_topic(topic: str) -> KafkaSink:
@@ -499,10 +509,11 @@ class Pipeline:
         work, publisher = t.work, None
         if c.routed:
             work = t.runner_work(c.runner_id)
-            publisher = KvEventPublisher(
+            publisher = self.kv_events = KvEventPublisher(
                 partial(self._send_kv_events, t.kv_events),
                 runner_id=c.runner_id,
                 work_topic=work,
+                work_group=self.group,
                 block_size=engine.config.block_size,
             )
             log.info(
@@ -575,10 +586,14 @@ class Pipeline:
     async def shutdown(self) -> None:
         if self._broker_watch is not None:
             self._broker_watch.cancel()
-        if self._kv_feed is not None:
-            self._kv_feed.cancel()
+        for task in (self._kv_feed, self._failover):
+            if task is not None:
+                task.cancel()
         if self.consumer is not None:
             await self.consumer.stop()  # waits for in-flight records (bounded), commits, leaves
+        if self.kv_events is not None:
+            # Out of its group now: what it did not finish can be moved at once.
+            await self.kv_events.leave()
         if self.ingress is not None:
             await self.ingress.drain_errors()
         if not self.system_failed():

@@ -180,6 +180,9 @@ class RunnerActor(Actor):
             log.warning("request %s is already running here; dropping the duplicate", request_id)
             self._tracked[request_id].also_ack.append(envelope.ack)
             return
+        if work.taken_over_from is not None and self.progress is not None:
+            # Its first runner died: read what it recorded since this runner last looked.
+            await self.progress.catch_up()
         record = self.progress.get(work.request) if self.progress is not None else None
         if record is not None:
             record.origin = envelope.origin

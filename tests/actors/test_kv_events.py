@@ -41,6 +41,7 @@ async def test_runner_reports_its_cache_and_load(engine):
         send,
         runner_id="r-1",
         work_topic="w.r-1",
+        work_group="g-runner-r-1",
         block_size=engine.config.block_size,
         heartbeat_s=0.2,
     )

@@ -37,10 +37,14 @@ def work(ids: list[int], rid: str = "r", session: str | None = None, tenant=None
     return TokenizedRequest(request=request, prompt_token_ids=ids, received_at=time.time())
 
 
-def report(runner: str, *, stored=(), removed=(), snapshot=False, running=0, inc="a", seq=0):
+def report(
+    runner: str, *, stored=(), removed=(), snapshot=False, running=0, inc="a", seq=0, leaving=False
+):
     return KvEventsMessage(
         runner_id=runner,
         work_topic=f"w.{runner}",
+        work_group=f"g-{runner}",
+        leaving=leaving,
         incarnation=inc,
         seq=seq,
         sent_at=time.time(),
@@ -152,3 +156,15 @@ def test_round_robin_takes_turns():
     router.apply(report("r2"))
     picks = [router.choose(work(PREFIX_A, rid=str(i)), str(i)).runner_id for i in range(4)]
     assert picks == ["r1", "r2", "r1", "r2"]
+
+
+def test_a_runner_that_says_it_leaves_is_not_chosen_until_it_is_back(router):
+    router.apply(report("r1", stored=blocks(PREFIX_A)))
+    router.apply(report("r2"))
+    router.apply(report("r1", leaving=True, seq=1))
+    assert [v.runner_id for v in router.live()] == ["r2"]
+    assert router.choose(work(PREFIX_A), "k").runner_id == "r2"
+    router.apply(report("r1", seq=2))  # a late heartbeat of the same run does not revive it
+    assert [v.runner_id for v in router.live()] == ["r2"]
+    router.apply(report("r1", inc="b"))  # started again
+    assert [v.runner_id for v in router.live()] == ["r1", "r2"]
