@@ -238,6 +238,54 @@ class BlockManager:
         seq.num_committed_blocks = 0
         return table
 
+    # --- blocks computed elsewhere (prefill/decode separation) -------------------------------
+    def cached_chain(self, hashes: _Seq[bytes]) -> list[int]:
+        """The blocks holding the longest leading run of `hashes` (a prompt's chain)."""
+        blocks: list[int] = []
+        for h in hashes:
+            block = self._hash_to_block.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def adopt_chain(self, hashes: _Seq[bytes]) -> list[tuple[int, int]]:
+        """Free blocks to hold a prompt's chain of blocks computed elsewhere, as (index in
+        `hashes`, block) for those not cached here already; the caller writes their KV before the
+        next step. They join the prefix cache unreferenced, the chain's head the last to be
+        evicted. Stops at the first block it cannot have (no free block that is not part of the
+        chain itself): a chain is useless past a gap."""
+        if not self.enable_prefix_caching:
+            return []
+        adopted: list[tuple[int, int]] = []
+        chain: list[int] = []
+        for i, h in enumerate(hashes):
+            block = self._hash_to_block.get(h)
+            if block is None:
+                if not self._free_plain and not (self._free_cached.keys() - set(chain)):
+                    break
+                block = self._take_free_outside(chain)
+                self.ref_counts[block] = 0
+                self.block_hash[block] = h
+                self._hash_to_block[h] = block
+                self._free_cached[block] = None
+                if self.kv_events is not None:
+                    self.kv_events.stored(h)
+                adopted.append((i, block))
+            chain.append(block)
+        for block in reversed(chain):  # the head last in line for eviction
+            if block in self._free_cached:
+                self._free_cached.move_to_end(block)
+        return adopted
+
+    def _take_free_outside(self, keep: list[int]) -> int:
+        """`_take_free`, never evicting one of the blocks in `keep`."""
+        if not self._free_plain:
+            for block in keep:  # out of the way while the oldest other block is evicted
+                if block in self._free_cached:
+                    self._free_cached.move_to_end(block)
+        return self._take_free()
+
     # --- n > 1 samples ----------------------------------------------------------------------
     def can_fork(self, parent: Sequence) -> bool:
         partial = parent.num_computed_tokens % self.block_size != 0
