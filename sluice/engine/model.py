@@ -10,12 +10,17 @@ logits match transformers to ~1e-6.
 A kernel family may run the whole stack of layers in one call instead (`KernelOps.run_layers`:
 the native family's C stack for weights packed for its kernels), with the same results.
 
+Under tensor parallelism (`tensor_parallel`) each rank's model holds some of the heads and MLP
+columns; o_proj and down then give partial sums, which `all_reduce` adds up across the ranks, and
+the layers run one by one (the C stack cannot stop between layers to communicate).
+
 The weights come from `loader` (tensor names and shapes are the loader's business) and may be
 transformed after building (packed for oneDNN, quantized: `weights.transform_weights`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +70,9 @@ class DecoderLayer(nn.Module):
         self.o_proj: nn.Module = Linear(w.o, w.o_bias)
         self.gate_up: nn.Module = Linear(w.gate_up)
         self.down: nn.Module = Linear(w.down)
+        # Sums this rank's partial o_proj and down outputs over the tensor-parallel ranks; None
+        # where the layer holds all heads and columns (`CausalLM.shard`)
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -86,9 +94,14 @@ class DecoderLayer(nn.Module):
         ops.write_kv(k, v, cache, plan)
         attn = ops.attend(q, k, v, cache, plan, self.scale)
         x = ops.linear(attn.reshape(t, self.q_size), self.o_proj)
+        if self.all_reduce is not None:
+            x = self.all_reduce(x)
 
         h, residual = ops.add_rmsnorm(x, residual, self.post_attention_norm, self.eps)
-        return ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down), residual
+        x = ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down)
+        if self.all_reduce is not None:
+            x = self.all_reduce(x)
+        return x, residual
 
 
 class CausalLM(nn.Module):
@@ -105,6 +118,15 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, device=weights.embed.device)
         self.dtype = weights.embed.dtype
         self.ops: KernelOps = ops or TorchOps()
+        self.sharded = False
+
+    def shard(self, all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Run as one rank of a tensor-parallel group: this model holds its share of the heads
+        and columns, and `all_reduce` sums the layers' partial outputs over the ranks."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.all_reduce = all_reduce
+        self.sharded = True
 
     @property
     def device(self) -> torch.device:
@@ -115,10 +137,16 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, plan: StepPlan, kv_caches: list[LayerKVCache]
     ) -> torch.Tensor:
         """input_ids [T] (at `plan.positions`) -> final-norm hidden states [T, H]."""
+        return self.forward_embedded(self.embed_tokens(input_ids), plan, kv_caches)
+
+    @torch.inference_mode()
+    def forward_embedded(
+        self, x: torch.Tensor, plan: StepPlan, kv_caches: list[LayerKVCache]
+    ) -> torch.Tensor:
+        """The tokens' embeddings x [T, H] -> final-norm hidden states [T, H]."""
         ops = self.ops
-        x = self.embed_tokens(input_ids)
         rope = ops.rotary_tables(self.rotary, plan.positions, x.dtype)
-        stacked = ops.run_layers(self.layers, x, rope, plan, kv_caches)
+        stacked = None if self.sharded else ops.run_layers(self.layers, x, rope, plan, kv_caches)
         if stacked is not None:
             x, residual = stacked
         else:

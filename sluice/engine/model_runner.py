@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -70,6 +71,18 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int
     return int(n)
 
 
+@dataclass
+class StepInputs:
+    """What one forward takes from the batch scheduler (what every tensor-parallel rank is sent):
+    the block copies to make first, then the new tokens of each sequence."""
+
+    token_ids: list[int]  # the flat batch
+    query_lens: list[int]  # per sequence: its new tokens
+    seq_lens: list[int]  # per sequence: its context after this step
+    block_tables: list[list[int]]  # per sequence: the blocks that context is in
+    block_copies: list[tuple[int, int]]
+
+
 class ModelRunner:
     def __init__(
         self, model: CausalLM, config: ModelConfig, engine_config: EngineConfig, num_blocks: int
@@ -118,27 +131,45 @@ class ModelRunner:
         )
         return self.model.ops.plan(layout, self.attention)
 
+    def step_inputs(self, batch) -> StepInputs:
+        """The forward's inputs for a scheduled batch."""
+        inputs = StepInputs([], [], [], [], list(batch.block_copies))
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            inputs.token_ids += seq.token_ids[start : start + n]
+            inputs.query_lens.append(n)
+            inputs.seq_lens.append(start + n)
+            inputs.block_tables.append(seq.block_table[: -(-(start + n) // self.block_size)])
+        return inputs
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The block copies, then the new tokens through the model: final-norm hidden states
+        [T, H] (None where the step has no tokens)."""
+        self.copy_blocks(inputs.block_copies)
+        if not inputs.token_ids:
+            return None
+        plan = self.plan(inputs.query_lens, inputs.seq_lens, inputs.block_tables)
+        return self.model.forward_embedded(self.embed(inputs.token_ids), plan, self.kv_caches)
+
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The step's tokens embedded [T, H]."""
+        return self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long).to(self.device))
+
+    def close(self) -> None:
+        """Let go of what the runner holds besides memory (a tensor-parallel one: its workers)."""
+
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:
         """Run the batch's new tokens (after its block copies); float32 logits
         [num sampled seqs, V], rows in the order of the seqs with sample=True."""
-        self.copy_blocks(batch.block_copies)
-        ids: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start : start + n]
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(seq.block_table[: -(-(start + n) // self.block_size)])
-        if not ids:
+        inputs = self.step_inputs(batch)
+        hidden = self.forward(inputs)
+        if hidden is None:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        plan = self.plan(query_lens, seq_lens, tables)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        hidden = self.model(input_ids, plan, self.kv_caches)
 
         last, offset = [], 0
-        for n, s in zip(query_lens, batch.sample):
+        for n, s in zip(inputs.query_lens, batch.sample):
             offset += n
             if s:
                 last.append(offset - 1)
