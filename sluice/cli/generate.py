@@ -65,6 +65,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens and logprobs that depend on the request and seed alone, not on the batch, "
         "chunking, prefix cache or thread count (CPU; slower: docs/REPRODUCIBILITY.md)",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model's attention heads and MLP columns over N processes (this one "
+        "and N-1 it starts; gloo on the CPU, NCCL on CUDA), each with 1/N of the torch threads",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -80,6 +88,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         kernels=args.kernels,
         deterministic=args.deterministic,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -193,6 +193,9 @@ class EngineConfig:
     # Tokens that depend on the request alone, not on the batch, chunking, cache or threads
     # (`kernel_ops.deterministic_ops`); CPU, a KV cache of the model dtype.
     deterministic: bool = False
+    # Ranks the model's heads and MLP columns are split over (`tensor_parallel`): rank 0 is this
+    # process, ranks 1..N-1 worker processes it starts
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -214,6 +217,20 @@ class EngineConfig:
                 f"deterministic mode does not run with kv_cache_dtype={self.kv_cache_dtype!r}: a "
                 "quantized block's codes depend on how its tokens were split into steps",
                 field="kv_cache_dtype",
+            )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(
+                f"tensor_parallel_size must be a whole number of at least 1, not {tp!r}",
+                field="tensor_parallel_size",
+            )
+        if tp > 1 and self.deterministic:
+            # an all-reduce adds the ranks' partial sums in an order of its own, and provenance
+            # does not record the split: the bits would not be the single-process ones
+            raise ConfigError(
+                "deterministic mode does not run with tensor_parallel_size > 1: the all-reduce "
+                "sums the ranks' partial results in an order of its own",
+                field="tensor_parallel_size",
             )
 
     @property

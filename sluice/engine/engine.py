@@ -38,7 +38,7 @@ import torch
 from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.draws import new_seed
-from sluice.engine.errors import EngineError, check_prompt_fits
+from sluice.engine.errors import EngineError, TensorParallelError, check_prompt_fits
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kv_events import KvEventLog, KvEvents
 from sluice.engine.loader import LoadedModel, build_model, load_model
@@ -95,16 +95,39 @@ class LLMEngine:
         self.ops = resolve_kernel_ops(
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
+        workers = None
+        if self.config.tensor_parallel_size > 1:
+            from .tensor_parallel.launcher import Workers
+
+            # ranks 1..N-1 start now: their Python loads while this process loads the model
+            workers = Workers.launch(self.config)
+        try:
+            self._build(model, loaded, workers, started)
+        except BaseException:
+            if workers is not None:
+                workers.stop(grace_s=0)
+            raise
+
+    def _build(self, model, loaded, workers, started: float) -> None:
         self.loaded = loaded or load_model(model)
         self.model_config: ModelConfig = self.loaded.config
+        shards = None if workers is None else workers.shard_plan(self.model_config)
+        # the model as this process runs it: all of it, or rank 0's share of its heads and columns
+        rank_config = self.model_config if shards is None else shards.rank_config(0)
         if self.config.dtype == "auto":
-            self.config = replace(self.config, dtype=self._choose_dtype())
+            self.config = replace(self.config, dtype=self._choose_dtype(rank_config))
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        num_blocks = num_kv_blocks(self.model_config, self.config)
+        group = None
+        if workers is not None:
+            group = workers.start(
+                self.loaded.tensors, self.config, self.ops.name, num_blocks, self.loaded.source
+            )
         model_obj = build_model(
-            self.model_config,
-            self.loaded.tensors,
+            rank_config,
+            self.loaded.tensors if shards is None else shards.rank_tensors(self.loaded.tensors, 0),
             self.config.torch_dtype,
             self.config.device,
             quantization=self.config.quantization,
@@ -113,8 +136,15 @@ class LLMEngine:
         )
         weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
-        num_blocks = num_kv_blocks(self.model_config, self.config)
-        self.runner = ModelRunner(model_obj, self.model_config, self.config, num_blocks)
+        if workers is None:
+            self.runner = ModelRunner(model_obj, rank_config, self.config, num_blocks)
+        else:
+            from .tensor_parallel.launcher import TensorParallelRunner
+
+            assert group is not None
+            self.runner = TensorParallelRunner(
+                workers, group, model_obj, rank_config, self.config, num_blocks
+            )
         self.ops.check(self.runner.attention)
         self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
         self.sampler = Sampler(self.ops)
@@ -131,9 +161,14 @@ class LLMEngine:
         self._last_scheduled: list[str] = []  # request ids of the last batch scheduled
         # Called with each batch before it runs (tests inject faults through it: `faults`).
         self.fault_hook: Callable[[ScheduledBatch], None] | None = None
-        self.memory = memory_report(self.model_config, self.config, model_obj, self.runner)
+        self.memory = memory_report(rank_config, self.config, model_obj, self.runner)
         self.provenance = engine_provenance(self, weights_hash)
         self._log_ready(time.monotonic() - started, num_blocks)
+
+    def close(self) -> None:
+        """Stop the processes the engine started (tensor-parallel workers); it cannot step after.
+        Without it they stop when the engine is garbage-collected or this process ends."""
+        self.runner.close()
 
     @property
     def kernels(self) -> str:
@@ -188,12 +223,13 @@ class LLMEngine:
                 "on it and its seed alone (docs/REPRODUCIBILITY.md), at a cost in speed"
             )
 
-    def _choose_dtype(self) -> str:
-        """`dtype="auto"`: the faster precision here, measured (`dtype_probe`), and logged."""
+    def _choose_dtype(self, model_config: ModelConfig) -> str:
+        """`dtype="auto"`: the faster precision here for this process's share of the model,
+        measured (`dtype_probe`), and logged."""
         from .dtype_probe import choose_dtype
 
         c = self.config
-        choice = choose_dtype(self.model_config, c.device, self.ops, c.quantization)
+        choice = choose_dtype(model_config, c.device, self.ops, c.quantization)
         timed = ", ".join(f"{d} {ms:.1f} ms" for d, ms in choice.ms.items())
         log.info(
             "dtype auto: %s (%s%s)",
@@ -405,6 +441,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         try:
             outputs += self._step()
+        except TensorParallelError:
+            raise  # a rank is gone: no request is at fault, and no step can run
         except Exception as exc:  # noqa: BLE001 - any fault: find the request it belongs to
             outputs += self._isolate_fault(exc)
         return outputs
@@ -470,12 +508,16 @@ class LLMEngine:
             try:
                 outputs += self._step(set(half))
                 suspects = rest
+            except TensorParallelError:
+                raise
             except Exception as again:  # noqa: BLE001
                 suspects, exc = half, again
             suspects = [rid for rid in suspects if rid in self._requests]
         if suspects:
             try:
                 outputs += self._step(set(suspects))
+            except TensorParallelError:
+                raise
             except Exception as alone:  # noqa: BLE001
                 outputs += self._fail(suspects[0], alone)
         return outputs

@@ -1,4 +1,5 @@
-"""The one error type the engine raises for bad input: a request parameter, a model file, a setting.
+"""The one error type the engine raises for bad input: a request parameter, a model file, a setting
+(and `TensorParallelError`, for an engine that cannot go on).
 
 It subclasses ValueError so callers that only know "bad value" still catch it. It carries the name
 of what was at fault (`field`), so an error event can point the client at it, and a `code` saying
@@ -41,6 +42,11 @@ class ConfigError(EngineError):
     """An engine setting that cannot work (here, with this model, on this device)."""
 
     default_code = ErrorCode.INVALID_CONFIG
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of a tensor-parallel engine failed or is gone: no step can run any more, and no
+    request is at fault (the engine does not end requests one by one for it)."""
 
 
 def check_prompt_fits(

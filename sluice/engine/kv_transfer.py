@@ -42,6 +42,8 @@ class KvBlocks:
 def export_prefix(engine, token_ids: Seq[int], cache_salt: str | None) -> KvBlocks | None:
     """The KV of the longest run of the prompt's full blocks this engine has cached (None when
     it has none). Call on the engine's thread, before a later step may evict them."""
+    if engine.config.tensor_parallel_size > 1:
+        return None  # this process holds only rank 0's KV heads
     block_size = engine.config.block_size
     hashes = prefix_block_hashes(token_ids, block_size, cache_salt)
     blocks = engine.scheduler.block_manager.cached_chain(hashes)
@@ -60,6 +62,10 @@ def export_prefix(engine, token_ids: Seq[int], cache_salt: str | None) -> KvBloc
 def import_prefix(engine, kv: KvBlocks) -> int:
     """Adopt the blocks into this engine's prefix cache; the number of tokens it now holds cached
     of them (0 when they do not fit this engine's cache). Call on the engine's thread."""
+    if engine.config.tensor_parallel_size > 1:
+        # blocks written here alone would miss the other ranks' heads
+        log.warning("a tensor-parallel engine adopts no KV blocks: computing them instead")
+        return 0
     caches = engine.runner.kv_caches
     ours = caches[0].tensors()
     shapes_match = kv.block_size == engine.config.block_size and len(kv.tensors) == len(ours)
