@@ -37,7 +37,10 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.tensor_parallel.group import TensorParallelGroup
 from sluice.engine.tensor_parallel.sharding import ShardPlan
 
-pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks processes in /proc")
+pytestmark = [
+    pytest.mark.slow,  # processes start: a few seconds a test
+    pytest.mark.skipif(not Path("/proc").is_dir(), reason="checks processes in /proc"),
+]
 
 # 6 query heads over 3 KV heads, head size 32: at TP=2, 2+1 KV heads and 4+2 query heads; MLP
 # 352 columns = 11 runs of 32: 192 + 160
@@ -262,12 +265,21 @@ def test_tiny_qwen2_at_tp2_gives_tp1s_greedy_tokens(qwen2_dir, config):
 
 
 async def test_built_in_a_helper_thread_of_an_asyncio_program(qwen2_dir):
-    """As the pipeline does: the engine built in a passing thread, stepped in another."""
-    engine = await asyncio.to_thread(tiny_engine, qwen2_dir, 2)
+    """As the pipeline does: the engine built in a thread that ends once it is built
+    (`in_passing_thread`), then stepped in another."""
+    from sluice.actors.runtime.worker import in_passing_thread
+
+    engine = await in_passing_thread(tiny_engine, qwen2_dir, 2)
     try:
+        (pid,) = engine.runner.workers.pids
+        await asyncio.sleep(0.5)  # the building thread is gone; its worker must not be
+        assert alive(pid)
         ps = tiny_prompts(engine.model_config.vocab_size)[:2]
-        await asyncio.sleep(0.5)  # the building thread is gone; its workers must not be
-        results = await asyncio.to_thread(engine.generate, prompt_token_ids=ps, params=GREEDY)
+
+        def generate():
+            return engine.generate(prompt_token_ids=ps, params=GREEDY)
+
+        results = await in_passing_thread(generate)
         assert [len(r.token_ids) for r in results] == [8, 8]
     finally:
         engine.close()
