@@ -264,10 +264,12 @@ class TensorParallelRunner(ModelRunner):
         try:
             self.workers.send_step(inputs)
             return super().forward(inputs)
-        except Exception as exc:
+        except BaseException as exc:
             # the workers may be mid-step, waiting in a collective: they cannot be brought back
             # in step with rank 0, so the group ends here
             self.broken = self.workers.failure(exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like go on as they are
             raise self.broken from exc
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
