@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from sluice.actors.messages import TokenizedRequest
 from sluice.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from sluice.engine.kv_events import KvEvents
+from sluice.engine.kv_transfer import KvBlocks, export_prefix, import_prefix
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +22,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class Admission:
     """A request handed to the engine thread: its seed (the request's, or one given to it) and,
-    for a request taken up again, the tokens each completion had already published."""
+    for a request taken up again, the tokens each completion had already published. A prefill
+    runner admits a request it will pass on `prefill_only` (its prompt and first token; its KV is
+    exported when that is done); a decode runner adopts the prompt's `kv` first."""
 
     work: TokenizedRequest
     seed: int
     resume: dict[int, list[int]] | None = None
+    prefill_only: bool = False
+    kv: KvBlocks | None = None
 
 
 @dataclass
@@ -48,6 +53,9 @@ class StepResult:
     # wanted, every block it holds after the step (which the changes are part of).
     kv_events: KvEvents = field(default_factory=KvEvents)
     kv_snapshot: list[bytes] | None = None
+    # Prefill-only requests that got their first token this step: their prompt's KV (None when
+    # none of it is cached any more), to hand over with them.
+    kv_exports: dict[str, KvBlocks | None] = field(default_factory=dict)
 
 
 class EngineLoop:
@@ -56,6 +64,7 @@ class EngineLoop:
         self._rejections: list[Rejection] = []  # since the last step
         self._deadlines: dict[str, float] = {}  # request id -> unix deadline
         self._snapshot_wanted = False
+        self._prefill_only: dict[str, TokenizedRequest] = {}
 
     def accept(self, admission: Admission | SnapshotWanted) -> None:
         if isinstance(admission, SnapshotWanted):
@@ -63,16 +72,30 @@ class EngineLoop:
             return
         work = admission.work
         request = work.request
+        if admission.kv is not None:
+            adopted = import_prefix(self.engine, admission.kv)
+            log.info(
+                "request %s: %d of its prompt's %d tokens computed by runner %s adopted",
+                request.request_id,
+                adopted,
+                len(work.prompt_token_ids),
+                work.handoff.from_runner if work.handoff else "?",
+            )
+        kwargs = {**request.sampling_kwargs(), "seed": admission.seed}
+        if admission.prefill_only:
+            kwargs["max_tokens"] = 1
+            self._prefill_only[request.request_id] = work
         try:
             self.engine.add_request(
                 request.request_id,
                 prompt_token_ids=work.prompt_token_ids,
-                params=SamplingParams(**{**request.sampling_kwargs(), "seed": admission.seed}),
+                params=SamplingParams(**kwargs),
                 priority=request.priority,
                 cache_salt=request.tenant,
                 resume=admission.resume,
             )
         except EngineError as exc:
+            self._prefill_only.pop(request.request_id, None)
             self._rejections.append(Rejection(request.request_id, exc))
             return
         if request.deadline is not None:
@@ -86,6 +109,12 @@ class EngineLoop:
         rejections, self._rejections = self._rejections, []
         outputs = self.engine.step() if self.engine.has_unfinished() else []
         result = StepResult(rejections, outputs, expired, self.engine.take_kv_events())
+        for out in outputs:
+            work = self._prefill_only.pop(out.request_id, None) if out.finished else None
+            if work is not None and out.finish_reason == "length":
+                # Before any later step can evict the prompt's blocks.
+                ids, salt = work.prompt_token_ids, work.request.tenant
+                result.kv_exports[out.request_id] = export_prefix(self.engine, ids, salt)
         if self._snapshot_wanted:
             self._snapshot_wanted = False
             result.kv_snapshot = self.engine.cached_block_hashes()

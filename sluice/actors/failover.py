@@ -24,7 +24,7 @@ import logging
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from sluice.actors.kv_router import KvRouter, RunnerView
+from sluice.actors.kv_router import Choice, KvRouter, RunnerView
 from sluice.actors.messages import TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.scheduler_actor import routing_key
@@ -112,6 +112,13 @@ class RunnerFailover:
         finally:
             await consumer.stop()
 
+    def _choose(self, work: TokenizedRequest, key: str) -> Choice | None:
+        """A request a prefill runner had passed on goes to another decode runner if there is
+        one (any runner can continue it); the others as new requests go."""
+        if work.handoff is not None:
+            return self.router.choose_decode(work, key) or self.router.choose(work, key)
+        return self.router.choose(work, key)
+
     async def _move(self, dead: RunnerView, tp: TopicPartition, records, consumer) -> bool:
         """Move the records to live runners and commit them; False, moving only those before it,
         when the router chooses the dead runner itself again (it came back)."""
@@ -130,10 +137,10 @@ class RunnerFailover:
                 continue
             work = work.model_copy(update={"taken_over_from": dead.runner_id})
             key = routing_key(work)
-            choice = self.router.choose(work, key)
+            choice = self._choose(work, key)
             while choice is None:
                 await self.router.wait_for_runner()
-                choice = self.router.choose(work, key)
+                choice = self._choose(work, key)
             if choice.runner_id == dead.runner_id:
                 back = True
                 break

@@ -67,6 +67,7 @@ class KvEventsMessage(BaseModel):
     runner_id: str
     work_topic: str  # where requests for this runner go
     work_group: str = ""  # the consumer group reading it: who takes its requests over if it dies
+    kind: str = "unified"  # "unified", or "prefill" / "decode" (prefill/decode separation)
     incarnation: str  # new each time the runner starts: its earlier cache is gone
     seq: int  # per incarnation: 0, 1, 2, ...
     sent_at: float  # unix time
@@ -89,6 +90,7 @@ class KvEventPublisher:
         work_topic: str,
         work_group: str,
         block_size: int,
+        kind: str = "unified",
         heartbeat_s: float = HEARTBEAT_S,
         snapshot_every_s: float = SNAPSHOT_EVERY_S,
     ):
@@ -96,6 +98,7 @@ class KvEventPublisher:
         self.runner_id = runner_id
         self.work_topic = work_topic
         self.work_group = work_group
+        self.kind = kind
         self.block_size = block_size
         self.heartbeat_s = heartbeat_s
         self.snapshot_every_s = snapshot_every_s
@@ -138,6 +141,7 @@ class KvEventPublisher:
                 runner_id=self.runner_id,
                 work_topic=self.work_topic,
                 work_group=self.work_group,
+                kind=self.kind,
                 incarnation=self.incarnation,
                 seq=self._seq,
                 sent_at=time.time(),

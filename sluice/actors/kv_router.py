@@ -7,6 +7,10 @@ session's next turn goes where its last turn went, while that runner lives and i
 A runner whose messages stopped for `dead_after_s`, or that said it was leaving, is not chosen
 (and `failover.py` moves what it left unfinished).
 
+With prefill/decode separation (`kv_handoff.py`) new requests go to "prefill" runners (or
+"unified" ones, which do both), never to "decode" runners; a prefill runner passes each request
+on to the decode runner `choose_decode` picks: the least loaded, then the one with most free KV.
+
 A request's blocks are counted as cached on the runner chosen for it at once, before the runner
 reports them: the next request with the same prefix, arriving before the first one's prefill is
 done, then goes to the same runner (and its engine finds the blocks once they are computed).
@@ -30,6 +34,8 @@ from sluice.engine.block_manager import prefix_block_hashes
 log = logging.getLogger(__name__)
 
 ROUTINGS = ("session", "kv", "round-robin")  # `sluice run --routing`
+NEW_REQUEST_KINDS = ("unified", "prefill")  # runners that take a request from its start
+DECODE_KINDS = ("decode",)
 DEAD_AFTER_S = 10.0
 LOAD_MARGIN = 8
 MAX_SESSIONS = 100_000  # sessions whose runner is remembered
@@ -42,6 +48,7 @@ class RunnerView:
     runner_id: str
     work_topic: str
     work_group: str
+    kind: str
     incarnation: str
     block_size: int
     heard_at: float  # monotonic, of its last message
@@ -98,6 +105,7 @@ class KvRouter:
                 message.runner_id,
                 message.work_topic,
                 message.work_group,
+                message.kind,
                 message.incarnation,
                 message.block_size,
                 now,
@@ -118,12 +126,13 @@ class KvRouter:
     def is_live(self, view: RunnerView) -> bool:
         return not view.left and self._clock() - view.heard_at < self.dead_after_s
 
-    def live(self) -> list[RunnerView]:
-        return sorted(filter(self.is_live, self.runners.values()), key=lambda v: v.runner_id)
+    def live(self, kinds: tuple[str, ...] | None = None) -> list[RunnerView]:
+        views = [v for v in self.runners.values() if kinds is None or v.kind in kinds]
+        return sorted(filter(self.is_live, views), key=lambda v: v.runner_id)
 
-    async def wait_for_runner(self) -> None:
-        """Until some runner is alive."""
-        while not self.live():
+    async def wait_for_runner(self, kinds: tuple[str, ...] = NEW_REQUEST_KINDS) -> None:
+        """Until some runner of those kinds is alive."""
+        while not self.live(kinds):
             self._heard.clear()
             try:
                 await asyncio.wait_for(self._heard.wait(), timeout=1.0)
@@ -134,7 +143,7 @@ class KvRouter:
 
     def choose(self, work: TokenizedRequest, key: str) -> Choice | None:
         """The runner for `work` (whose routing key is `key`); None when no runner is alive."""
-        live = self.live()
+        live = self.live(NEW_REQUEST_KINDS)
         if not live:
             return None
         prompt = _Prompt(work)
@@ -153,6 +162,21 @@ class KvRouter:
         if cached[best.runner_id] == 0 or best.pending > bound:
             return self._chose(least, prompt, key, cached[least.runner_id], "least loaded")
         return self._chose(best, prompt, key, cached[best.runner_id], "prefix")
+
+    def choose_decode(
+        self, work: TokenizedRequest, key: str, prefer: str | None = None
+    ) -> Choice | None:
+        """The decode runner to continue `work` after its prefill: `prefer` when it is alive, else
+        the least loaded, then the one with most free KV blocks; None when no decode runner is
+        alive."""
+        live = self.live(DECODE_KINDS)
+        if not live:
+            return None
+        view = next((v for v in live if v.runner_id == prefer), None) or min(
+            live, key=lambda v: (v.pending, -v.load.free_blocks, v.runner_id)
+        )
+        prompt = _Prompt(work)
+        return self._chose(view, prompt, key, self._cached(view, prompt), "decode")
 
     def _cached(self, view: RunnerView, prompt: _Prompt) -> int:
         """How many of the prompt's leading blocks the runner holds (as far as the index knows)."""

@@ -29,6 +29,16 @@ class _Internal(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class KvHandoff(_Internal):
+    """A prefill runner passing a request on to a decode runner (`kv_handoff.py`): the request's
+    first token is in the progress changelog, its prompt's KV in a file of the transfer directory
+    (when the prefill runner had any to pass)."""
+
+    from_runner: str
+    kv_file: str | None = None  # a name in the KV transfer directory
+    kv_tokens: int = 0  # prompt tokens whose KV the file holds
+
+
 class TokenizedRequest(_Internal):
     """tokenizer → scheduler → runner: a valid request with its prompt as token ids."""
 
@@ -43,6 +53,7 @@ class TokenizedRequest(_Internal):
     # The runner it was first sent to, when that runner died before finishing it and the
     # scheduler moved it (`failover.py`): its progress may be newer than this runner has read.
     taken_over_from: str | None = None
+    handoff: KvHandoff | None = None  # from a prefill runner, to a decode runner
 
 
 class StepMessage(_Internal):

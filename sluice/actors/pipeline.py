@@ -27,12 +27,13 @@ from sluice.actors.failover import RunnerFailover
 from sluice.actors.health import OpsServer
 from sluice.actors.ingress import Ingress
 from sluice.actors.kv_events import SNAPSHOT_EVERY_S, KvEventPublisher, KvEventsMessage
+from sluice.actors.kv_handoff import KvFiles, PrefillHandoff, default_transfer_dir
 from sluice.actors.kv_router import DEAD_AFTER_S, LOAD_MARGIN, ROUTINGS, KvRouter
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import ProgressLog
 from sluice.actors.reply_topics import ReplyTopics
-from sluice.actors.roles import ROLES
+from sluice.actors.roles import ROLES, RUNNER_ROLES
 from sluice.actors.runner_actor import RunnerActor
 from sluice.actors.runtime import ActorFailed, ActorSystem, in_passing_thread
 from sluice.actors.scheduler_actor import SchedulerActor, routing_key
@@ -61,6 +62,7 @@ log = logging.getLogger(__name__)
 AT_LEAST_ONCE, EXACTLY_ONCE = "at-least-once", "exactly-once"
 MAX_REQUEST_BYTES = 4 << 20  # the largest request the requests topic takes
 DELIVERIES = (AT_LEAST_ONCE, EXACTLY_ONCE)
+KV_EVENTS_CATCH_UP_S = 15.0
 KV_EVENTS_CONFIG = {"retention.ms": str(3_600_000)}  # schedulers read back 2 snapshot intervals
 TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 METADATA_REFRESH_MS = 10_000  # how soon the consumer sees a new topic of its pattern
@@ -130,6 +132,8 @@ class PipelineConfig:
     routing: str = "session"
     load_margin: int = LOAD_MARGIN  # kv routing: most requests over the least loaded runner
     runner_dead_after_s: float = DEAD_AFTER_S  # a runner silent this long is not routed to
+    # Where a prefill runner leaves a prompt's KV for its decode runner (both must see it).
+    kv_transfer_dir: str = field(default_factory=default_transfer_dir)
 
     @property
     def routed(self) -> bool:
@@ -155,6 +159,7 @@ class Pipeline:
             raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
         self.config = config
         self.role = role
+        self.serves = role is None or role in RUNNER_ROLES  # holds an engine
         self.metrics = Metrics()
         self.system = ActorSystem(f"sluice-{role or 'all'}", drain_timeout=config.drain_timeout_s)
         self.producer: EventProducer | None = None
@@ -191,7 +196,12 @@ class Pipeline:
             )
         if c.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {c.routing!r}")
-        if c.routed and self.role == "runner" and not TOPIC_NAME.fullmatch(c.runner_id):
+        if self.role in ("prefill", "decode") and not c.routed:
+            raise ValueError(
+                f"--role {self.role} needs --routing kv or round-robin (runners of their own "
+                "topics, the scheduler choosing among them), given to the scheduler too"
+            )
+        if c.routed and self.role in RUNNER_ROLES and not TOPIC_NAME.fullmatch(c.runner_id):
             raise ValueError(
                 f"--runner-id {c.runner_id!r}: with --routing {c.routing} it names the runner's "
                 "work topic, so it takes letters, digits, '.', '_' and '-' only"
@@ -218,15 +228,15 @@ class Pipeline:
                 ),
             },
         )
-        if self.role in (None, "runner"):
+        if self.serves:
             await ensure_topics(
                 c.bootstrap_servers, {t.progress: c.partitions}, config=CHANGELOG_CONFIG
             )
-        if c.routed and self.role in ("scheduler", "runner"):
+        if c.routed and self.role in ("scheduler", *RUNNER_ROLES):
             await ensure_topics(
                 c.bootstrap_servers, {t.kv_events: c.partitions}, config=KV_EVENTS_CONFIG
             )
-        if c.routed and self.role == "runner":
+        if c.routed and self.role in RUNNER_ROLES:
             await ensure_topics(c.bootstrap_servers, {t.runner_work(c.runner_id): c.partitions})
         if c.metrics_port is not None:
             self.ops = OpsServer(self.metrics.registry, self.readiness, self.alive)
@@ -239,7 +249,7 @@ class Pipeline:
         self._broker_answered_at = time.monotonic()
         self._broker_watch = asyncio.ensure_future(self._watch_broker())
         group = c.group if self.role is None else f"{c.group}-{self.role}"
-        if c.routed and self.role == "runner":
+        if c.routed and self.role in RUNNER_ROLES:
             group = f"{group}-{c.runner_id}"  # its own topic: nobody else's joins disturb it
         self.group = group
         self.output = self.producer
@@ -257,7 +267,7 @@ class Pipeline:
                 c.redis_url,
                 "available" if ok else "UNREACHABLE: serving without prefix reuse across turns",
             )
-        if self.role in (None, "runner"):
+        if self.serves:
             # What the requests in flight had published, before any of them is read again.
             self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.output))
             await self.progress.start()
@@ -332,7 +342,7 @@ class Pipeline:
         """What /readyz checks: each must hold for the process to take requests."""
         answered = self._broker_answered_at
         return {
-            "model_loaded": self.role not in (None, "runner") or self.engine is not None,
+            "model_loaded": not self.serves or self.engine is not None,
             "consumer_assigned": self.consumer is not None and bool(self.consumer.assignment()),
             "broker_reachable": answered is not None
             and time.monotonic() - answered < BROKER_FRESH_S,
@@ -448,12 +458,7 @@ class Pipeline:
             )
             self.system.add(actor)
             return actor, t.tokenized, TokenizedRequest.model_validate_json
-        self.router = KvRouter(
-            policy=c.routing, load_margin=c.load_margin, dead_after_s=c.runner_dead_after_s
-        )
-        tail = TopicTail(c.bootstrap_servers, t.kv_events, since_s=2 * SNAPSHOT_EVERY_S + 5)
-        await tail.start()
-        self._kv_feed = asyncio.ensure_future(self._feed_router(tail, self.router))
+        self.router = await self._router(c.routing)
         assert self.producer is not None
         failover = RunnerFailover(
             self.router, self.producer, c.bootstrap_servers, metrics=self.metrics
@@ -504,9 +509,20 @@ class Pipeline:
             await tail.stop()
 
     async def _build_runner(self):
+        return await self._runner("unified")
+
+    async def _build_prefill(self):
+        return await self._runner("prefill")
+
+    async def _build_decode(self):
+        return await self._runner("decode")
+
+    async def _runner(self, kind: str):
+        """A runner: "unified" serves requests whole; "prefill" passes each on to a "decode"
+        runner after its first token, with its prompt's KV."""
         c, t = self.config, self.config.topics
         engine = await self._engine()
-        work, publisher = t.work, None
+        work, publisher, handoff, kv_files = t.work, None, None, None
         if c.routed:
             work = t.runner_work(c.runner_id)
             publisher = self.kv_events = KvEventPublisher(
@@ -515,14 +531,28 @@ class Pipeline:
                 work_topic=work,
                 work_group=self.group,
                 block_size=engine.config.block_size,
+                kind=kind,
             )
+            kv_files = KvFiles(c.kv_transfer_dir, owner=c.runner_id)
             log.info(
-                "runner %s reads its own work topic %s and reports its cached blocks and load "
+                "%s runner %s reads its own work topic %s and reports its cached blocks and load "
                 "to %s every %.0f s",
+                kind,
                 c.runner_id,
                 work,
                 t.kv_events,
                 publisher.heartbeat_s,
+            )
+        if kind == "prefill":
+            assert kv_files is not None and self.producer is not None
+            swept = kv_files.sweep()
+            router = await self._router("kv")
+            handoff = PrefillHandoff(router, kv_files, self.producer.send, runner_id=c.runner_id)
+            log.info(
+                "passing each request on to a decode runner after its first token, its prompt's "
+                "KV through %s%s",
+                c.kv_transfer_dir,
+                f" ({swept} stale KV file(s) of this runner removed)" if swept else "",
             )
         actor = RunnerActor(
             engine,
@@ -533,10 +563,27 @@ class Pipeline:
             progress=self.progress,
             max_crashes=c.max_crashes,
             kv_events=publisher,
+            handoff=handoff,
+            kv_files=kv_files,
         )
         self.system.add(actor)
         self.runner = actor
         return actor, work, TokenizedRequest.model_validate_json
+
+    async def _router(self, policy: str) -> KvRouter:
+        """A routing index fed from the runners' KV events, as they come."""
+        c, t = self.config, self.config.topics
+        router = KvRouter(
+            policy=policy, load_margin=c.load_margin, dead_after_s=c.runner_dead_after_s
+        )
+        tail = TopicTail(c.bootstrap_servers, t.kv_events, since_s=2 * SNAPSHOT_EVERY_S + 5)
+        await tail.start()
+        self._kv_feed = asyncio.ensure_future(self._feed_router(tail, router))
+        try:  # know the runners there are before the first request is routed
+            await asyncio.wait_for(tail.caught_up.wait(), timeout=KV_EVENTS_CATCH_UP_S)
+        except TimeoutError:
+            log.warning("the KV events were not read up to now in %.0f s", KV_EVENTS_CATCH_UP_S)
+        return router
 
     async def _send_kv_events(self, topic: str, message: KvEventsMessage) -> None:
         assert self.producer is not None

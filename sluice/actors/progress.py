@@ -60,6 +60,9 @@ class Progress(BaseModel):
     seq_at_admission: int = 0
     crashes: int = 0
     final: StepMessage | None = None
+    # The decode runner a prefill runner passed it to (prefill/decode separation): delivered to
+    # the prefill runner again, it is passed on again, not served there.
+    handed_to: str | None = None
     tokens: list[RecordedTokens] = Field(default_factory=list, exclude=True)  # in seq order
     # What `ProgressLog.save` has still to write (not part of any record).
     unsaved_tokens: int = Field(default=0, exclude=True)
@@ -120,6 +123,9 @@ class ProgressLog:
         # Exactly-once: the records commit with the events they describe, so a record holds
         # exactly what a read_committed client can see (never more).
         self.transactional = changelog.transactional
+        # Requests passed on to a decode runner: their records are that runner's now, which
+        # deletes them once it is done; committing their input here must not.
+        self.handed_over: set[str] = set()
 
     async def start(self) -> None:
         await self.changelog.start()
@@ -211,6 +217,9 @@ class ProgressLog:
         again."""
         keys: dict[TopicPartition | None, list[str]] = {}
         for rid, origin in requests:
+            if rid in self.handed_over:
+                self.handed_over.discard(rid)
+                continue
             if self.changelog.get(rid) is None:
                 continue
             mine = keys.setdefault(origin, [])

@@ -10,6 +10,10 @@ With a progress log (`progress.py`) every step's messages are recorded before th
 and a request delivered again (after a crash, a restart, a rebalance) is resumed from its record:
 its recorded messages are sent again as they were, and the engine continues after its recorded
 tokens with its recorded seed, so no (request_id, seq) is ever sent with another content.
+
+A prefill runner (`handoff`) serves a request only up to its first token, then passes it on to a
+decode runner with its prompt's KV (`kv_handoff.py`); any runner continues a request passed to it
+as it resumes one.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from sluice.actors.conversation import remembered_turn
 from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, SnapshotWanted, StepResult
 from sluice.actors.errors import error_step, wire_code
 from sluice.actors.kv_events import KvEventPublisher, RunnerLoad
+from sluice.actors.kv_handoff import KvFiles, PrefillHandoff
 from sluice.actors.messages import Ack, Envelope, StepMessage, TokenizedRequest, no_ack
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
+from sluice.actors.scheduler_actor import routing_key
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
@@ -80,6 +86,7 @@ class _Tracked:
     also_ack: list[Ack] = field(default_factory=list)  # copies of it delivered while it ran
     # Every logprob entry, per completion, when its one event must carry them (no streaming).
     logprobs: dict[int, list[TokenLogprob]] | None = None
+    passing_on: bool = False  # admitted to be passed on to a decode runner after its first token
 
     def ack_all(self) -> None:
         """Acknowledge the request, and every copy of it that came meanwhile."""
@@ -101,10 +108,15 @@ class RunnerActor(Actor):
         max_crashes: int = 5,
         name: str | None = None,
         kv_events: KvEventPublisher | None = None,
+        handoff: PrefillHandoff | None = None,
+        kv_files: KvFiles | None = None,
     ):
         super().__init__(name or runner_id, capacity=max_queue)
         self.kv_events = kv_events  # with a router: where the prefix cache's changes go
         self._snapshot_asked = False
+        self.handoff = handoff  # a prefill runner's way to pass requests on
+        self.kv_files = kv_files  # where KV passed to this runner waits
+        self._passing: list[_Tracked] = []  # got their first token this step: to pass on
         self.engine = engine
         self.send_steps = send_steps
         self.progress = progress
@@ -180,10 +192,16 @@ class RunnerActor(Actor):
             log.warning("request %s is already running here; dropping the duplicate", request_id)
             self._tracked[request_id].also_ack.append(envelope.ack)
             return
-        if work.taken_over_from is not None and self.progress is not None:
-            # Its first runner died: read what it recorded since this runner last looked.
+        if self.progress is not None and (work.taken_over_from or work.handoff):
+            # Its first runner died, or passed it on: read what that runner recorded since this
+            # one last looked.
             await self.progress.catch_up()
         record = self.progress.get(work.request) if self.progress is not None else None
+        passed_before = record is not None and record.handed_to is not None and not record.final
+        if passed_before and work.handoff is None and self.handoff is not None:
+            assert record is not None
+            if await self._pass_on_again(work, record, envelope):
+                return
         if record is not None:
             record.origin = envelope.origin
         if record is not None and record.final is not None:
@@ -201,6 +219,9 @@ class RunnerActor(Actor):
             await self.send_steps(envelope.derive(record.final))
             return
         request = work.request
+        kv = None
+        if work.handoff is not None and work.handoff.kv_file and self.kv_files is not None:
+            kv = await asyncio.to_thread(self.kv_files.take, work.handoff.kv_file)
         tracked = _Tracked(work, envelope.ack, time.time(), origin=envelope.origin)
         if not request.stream and request.logprobs is not None:
             tracked.logprobs = {}
@@ -234,7 +255,16 @@ class RunnerActor(Actor):
         if self.metrics:
             self.metrics.queue_depth.labels("runner").set(len(self._tracked))
             self.metrics.runner_peak_queue.labels(self.runner_id).set(self.peak_queue)
-        admission = Admission(work, record.seed, resume)
+        tracked.passing_on = (
+            self.handoff is not None
+            and self.progress is not None
+            and work.handoff is None
+            and request.n == 1
+            and request.max_tokens > 1
+            and not record.tokens
+            and self.handoff.available()
+        )
+        admission = Admission(work, record.seed, resume, prefill_only=tracked.passing_on, kv=kv)
         if self.progress is None:
             self._worker.submit(admission)
         elif record.crashes >= self.max_crashes:
@@ -352,9 +382,14 @@ class RunnerActor(Actor):
             if self.progress is not None:
                 writes = await self._record(messages)
             for (message, ack, tracked), with_it in zip(messages, writes):
+                if tracked is not None and tracked.passing_on:
+                    continue  # its first token: the decode runner sends it (held back here)
                 origin = tracked.origin if tracked is not None else None
                 envelope = Envelope(message, ack or no_ack, origin=origin, writes=with_it)
                 await self.send_steps(envelope)
+            passing, self._passing = self._passing, []
+            for tracked in passing:
+                await self._pass_on(tracked, result.kv_exports.get(tracked.work.request.request_id))
             if self._probing is not None:
                 self._next_suspect()
             if self.kv_events is not None:
@@ -365,6 +400,50 @@ class RunnerActor(Actor):
                     await self.kv_events.changes(result.kv_events, self.load())
             if self.metrics:
                 self._observe()
+
+    async def _pass_on(self, tracked: _Tracked, kv) -> None:
+        """Pass a request that got its first token on to a decode runner (its token recorded and
+        held back); with none alive, serve the rest of it here."""
+        assert self.handoff is not None and self.progress is not None
+        work, record = tracked.work, tracked.record
+        assert record is not None
+        rid, key = work.request.request_id, routing_key(work)
+        choice = self.handoff.target(work, key)
+        if choice is None:
+            log.warning("no decode runner alive: request %s is served here", rid)
+            tracked.passing_on = False
+            self._tracked[rid] = tracked
+            await self._resend(work, record, tracked.origin)  # the first token, held back
+            assert self._worker is not None
+            self._worker.submit(Admission(work, record.seed, record.resume()))
+            return
+        # Recorded first: delivered here again after a crash, it is passed on again, never
+        # served by two runners at once.
+        record.handed_to = choice.runner_id
+        record.header_saved = False
+        await self.progress.save([record])
+        self.progress.handed_over.add(rid)
+        await self.handoff.send(work, key, choice, kv)
+        log.debug("request %s passed on to runner %s", rid, choice.runner_id)
+        tracked.ack_all()
+
+    async def _pass_on_again(self, work: TokenizedRequest, record: Progress, envelope) -> bool:
+        """A request this runner had passed on, delivered again (this runner restarted before its
+        input was committed): passed on again, to the same decode runner while it lives, rather
+        than served twice. False when no decode runner is alive (it is then served here)."""
+        assert self.progress is not None
+        choice = self.handoff.target(work, routing_key(work), prefer=record.handed_to)
+        if choice is None:
+            return False
+        self.progress.handed_over.add(work.request.request_id)
+        await self.handoff.send(work, routing_key(work), choice, None)
+        log.info(
+            "request %s delivered again: passed on to runner %s again",
+            work.request.request_id,
+            choice.runner_id,
+        )
+        envelope.ack()
+        return True
 
     async def _report_kv(self) -> None:
         """Heartbeats with the runner's load, and now and then every block it holds."""
@@ -455,6 +534,12 @@ class RunnerActor(Actor):
                     tracked.logprobs.setdefault(out.index, []).extend(message.logprobs)
             tracked.texts[out.index] = tracked.texts.get(out.index, "") + out.text
             tracked.token_ids.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished and tracked.passing_on and out.finish_reason == "length":
+                del self._tracked[out.request_id]  # its first token: on to a decode runner
+                self._passing.append(tracked)
+                continue
+            if tracked.passing_on:
+                tracked.passing_on = False  # finished at its first token: served here after all
             if out.finished:
                 tracked.finals[out.index] = out
                 if len(tracked.finals) == tracked.work.request.n:

@@ -49,7 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "run", help="run the pipeline: prompts from Kafka in, token streams out"
     )
     parser.add_argument(
-        "--role", choices=ROLES, help="run one role in this process (default: all four)"
+        "--role",
+        choices=ROLES,
+        help="run one role in this process (default: all four); prefill and decode are runners "
+        "that split each request: a prefill runner computes the prompt and first token, then "
+        "passes the request on, with the prompt's KV, to a decode runner (needs --routing kv)",
     )
     parser.add_argument(
         "--log-format",
@@ -171,6 +175,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default 10; runners report every second)",
     )
     parser.add_argument(
+        "--kv-transfer-dir",
+        help="prefill/decode runners: the directory where a prefill runner leaves a prompt's KV "
+        "for its decode runner; both must see it, so they run on one host (default: "
+        "/dev/shm/sluice-kv where there is /dev/shm)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
@@ -211,4 +221,6 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.runner_id:
         config.runner_id = args.runner_id
+    if args.kv_transfer_dir:
+        config.kv_transfer_dir = args.kv_transfer_dir
     return asyncio.run(run_pipeline(config, args.role))

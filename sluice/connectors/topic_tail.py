@@ -4,6 +4,7 @@ KV events), where nobody's offsets need committing."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ class TopicTail:
         self.topic = topic
         self.since_s = since_s  # how far back to start reading
         self._consumer: AIOKafkaConsumer | None = None
+        self._ends: dict[TopicPartition, int] = {}  # what was written before start
+        self.caught_up = asyncio.Event()  # set once `batches` has read up to `_ends`
 
     async def start(self) -> None:
         self._consumer = AIOKafkaConsumer(
@@ -42,16 +45,22 @@ class TopicTail:
                 await self._consumer.seek_to_end(tp)
             else:
                 self._consumer.seek(tp, at.offset)
+        self._ends = await self._consumer.end_offsets(partitions)
         log.info("reading %s from %.0f s ago", self.topic, self.since_s)
 
     async def batches(self) -> AsyncIterator[list[bytes]]:
-        """The values written since `since_s` ago, then each new batch as it comes."""
+        """The values written since `since_s` ago, then each new batch as it comes (`caught_up`
+        is set once those written before `start` are all handed out)."""
         assert self._consumer is not None, "start() first"
         while True:
             fetched = await self._consumer.getmany(timeout_ms=500)
             values = [r.value for records in fetched.values() for r in records if r.value]
             if values:
                 yield values
+            if not self.caught_up.is_set():
+                positions = [await self._consumer.position(tp) for tp in self._ends]
+                if all(at >= end for at, end in zip(positions, self._ends.values())):
+                    self.caught_up.set()
 
     async def stop(self) -> None:
         if self._consumer is not None:
