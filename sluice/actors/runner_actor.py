@@ -39,6 +39,7 @@ from sluice.actors.scheduler_actor import routing_key
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
+from sluice.engine.errors import TensorParallelError
 from sluice.schemas.events import Provenance, Timings, TokenLogprob, TopLogprob, Usage
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class _Tracked:
 
 
 class RunnerActor(Actor):
+    # A tensor-parallel rank is gone: no restart in this process brings it back, so the process
+    # exits and whoever started it starts it again (the requests resume from their records).
+    fatal = (TensorParallelError,)
+
     def __init__(
         self,
         engine: LLMEngine,

@@ -106,3 +106,33 @@ async def test_failing_on_start_escalates_from_system_run():
     with pytest.raises(ActorFailed, match="no model file"):
         await asyncio.wait_for(system.run(), BOUND)
     assert downstream.state == ActorState.STOPPED
+
+
+class LostRank(RuntimeError):
+    pass
+
+
+class RankHolder(Recorder):
+    """Fails with a LostRank wrapped as the engine thread's failure is (its cause)."""
+
+    fatal = (LostRank,)
+
+    async def handle(self, message):
+        if message == "rank gone":
+            raise RuntimeError("worker failed") from LostRank("rank 1 exited")
+        await super().handle(message)
+
+
+async def test_a_fatal_crash_escalates_at_once_and_other_crashes_still_restart():
+    system = ActorSystem()
+    actor = system.add(RankHolder("runner", fail_on={"bad"}, restart_policy=FAST))
+    await system.start()
+    await actor.tell("bad")  # not fatal: restarted
+    await actor.tell(1)
+    await eventually(lambda: actor.handled == [1])
+    assert actor.restarts == 1
+    await actor.tell("rank gone")
+    with pytest.raises(ActorFailed) as failed:
+        await asyncio.wait_for(system.wait(), BOUND)
+    assert "a restart cannot mend it" in failed.value.reason
+    assert actor.restarts == 1 and actor.state == ActorState.FAILED

@@ -18,7 +18,8 @@ to `on_failure(message, exc)`, and the actor's `RestartPolicy` decides (see supe
     escalate  the actor ends FAILED with `failure` set, its mailbox closes (waiting senders get
               `MailboxClosed` instead of hanging), and its ActorSystem shuts down
 
-Too many crashes within the policy's window escalate as well.
+Too many crashes within the policy's window escalate as well, and so does at once an exception of
+one of the actor's `fatal` types (or one caused by it): a fault no restart can mend.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sluice.actors.runtime.mailbox import Mailbox, MailboxClosed
-from sluice.actors.runtime.supervisor import RestartPolicy, Supervisor
+from sluice.actors.runtime.supervisor import Decision, RestartPolicy, Supervisor
 
 log = logging.getLogger("sluice.actors")
 
@@ -77,6 +78,8 @@ class _Crash:
 class Actor:
     capacity: int = 64
     restart_policy: RestartPolicy | str = RestartPolicy()
+    # Crashes a restart cannot mend (e.g. a lost tensor-parallel rank): they escalate at once.
+    fatal: tuple[type[BaseException], ...] = ()
 
     def __init__(
         self,
@@ -274,6 +277,8 @@ class Actor:
                     log.error("actor %s crashed %s", self.name, self._where_text(), exc_info=exc)
                     await self._release()
                     decision = self._supervisor.on_crash()
+                    if self._is_fatal(exc):
+                        decision = Decision(False, 0.0, "a restart cannot mend it")
                     if not decision.restart:
                         self._escalate(exc, decision.reason)
                         await self._finish(ActorState.FAILED)
@@ -345,6 +350,13 @@ class Actor:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+    def _is_fatal(self, exc: BaseException | None) -> bool:
+        while exc is not None:
+            if isinstance(exc, self.fatal):
+                return True
+            exc = exc.__cause__
+        return False
 
     def _escalate(self, exc: BaseException, reason: str) -> None:
         self.failure = ActorFailed(self.name, exc, reason)
