@@ -637,7 +637,9 @@ class Pipeline:
             if task is not None:
                 task.cancel()
         if self.consumer is not None:
-            await self.consumer.stop()  # waits for in-flight records (bounded), commits, leaves
+            # Waits for in-flight records (bounded), commits, leaves; not when an actor failed,
+            # as what it held will not finish.
+            await self.consumer.stop(drain=not self.system_failed())
         if self.kv_events is not None:
             # Out of its group now: what it did not finish can be moved at once.
             await self.kv_events.leave()
@@ -647,6 +649,8 @@ class Pipeline:
             await self.system.shutdown(graceful=True)
         for sink in self._sinks:
             await sink.flush()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)  # its tensor-parallel workers, if any
         if isinstance(self.output, PartitionTransactions):
             await self.output.stop()
         if self.progress is not None:

@@ -199,14 +199,17 @@ class RequestConsumer:
             self.drain_timeout,
         )
 
-    async def stop(self) -> None:
-        """Stop fetching, wait (bounded) for in-flight records, commit them, leave the group."""
+    async def stop(self, drain: bool = True) -> None:
+        """Stop fetching, wait (bounded) for in-flight records, commit them, leave the group.
+        Without `drain` (what holds the records has failed: they will not finish) the records
+        done so far are committed and the rest left at once."""
         if self._consumer is None or self._closed:
             return
         self._stopping = True
         self._apply_pause()  # no more fetching; records still in flight keep finishing
         self._buffer.clear()
-        pending = await self._wait_done(set(self._parts), self.drain_timeout)
+        wait = self.drain_timeout if drain else 0.0
+        pending = await self._wait_done(set(self._parts), wait)
         try:
             await self.commit_done()
         except Exception:
@@ -216,7 +219,7 @@ class RequestConsumer:
             log.warning(
                 "stopped with %d record(s) still in flight after %.1fs: they will be redelivered",
                 pending,
-                self.drain_timeout,
+                wait,
             )
         self._parts.clear()
         self._closed = True
