@@ -118,6 +118,18 @@ class Metrics:
             ["runner"],
             registry=r,
         )
+        self.runner_finished = Counter(
+            "sluice_runner_finished_requests_total",
+            "Requests the runner generated to their end.",
+            ["runner"],
+            registry=r,
+        )
+        self.runner_passed_on = Counter(
+            "sluice_runner_passed_on_requests_total",
+            "Requests a prefill runner passed on to a decode runner after their first token.",
+            ["runner"],
+            registry=r,
+        )
         self.routed = Counter(
             "sluice_routed_requests_total",
             "Requests the scheduler sent to each runner, by why it chose that runner (prefix, "

@@ -542,6 +542,8 @@ class RunnerActor(Actor):
             if out.finished and tracked.passing_on and out.finish_reason == "length":
                 del self._tracked[out.request_id]  # its first token: on to a decode runner
                 self._passing.append(tracked)
+                if self.metrics:
+                    self.metrics.runner_passed_on.labels(self.runner_id).inc()
                 continue
             if tracked.passing_on:
                 tracked.passing_on = False  # finished at its first token: served here after all
@@ -550,6 +552,8 @@ class RunnerActor(Actor):
                 if len(tracked.finals) == tracked.work.request.n:
                     del self._tracked[out.request_id]
                     messages.append((self._final_message(tracked), tracked.ack_all, tracked))
+                    if self.metrics:
+                        self.metrics.runner_finished.labels(self.runner_id).inc()
         return messages
 
     def _rejection(self, rejection: Rejection) -> list[tuple[StepMessage, Ack, _Tracked | None]]:

@@ -92,6 +92,9 @@ async def test_prefill_and_decode_runners_give_the_tokens_of_one(
             for wave in (first, second):
                 await publish(bootstrap_servers, f"{prefix}.requests", [request(**b) for b in wave])
                 streams = await watcher.wait_finals({b["request_id"] for b in wave}, timeout=240)
+        passed_on = value(
+            scrape(port), "sluice_runner_passed_on_requests_total", runner="prefill-1"
+        )
     finally:
         codes = {name: p.stop() for name, p in procs.items()}
     tails = "\n".join(p.tail(30) for p in procs.values())
@@ -112,6 +115,7 @@ async def test_prefill_and_decode_runners_give_the_tokens_of_one(
     decode_log = procs["decode-1"].text()
     # Every request passed on; those with a full block of prompt passed on with its KV.
     assert decode_log.count("resumes after its 1 published token") == len(first + second), tails
+    assert passed_on == len(first + second)
     with_blocks = [b for b in first + second if not b["request_id"].startswith("short")]
     assert decode_log.count(" adopted") == len(with_blocks), tails
     assert not list((tmp_path / "kv").glob("*.kv")), "KV files left behind"
