@@ -37,6 +37,7 @@ class KvHandoff(_Internal):
     from_runner: str
     kv_file: str | None = None  # a name in the KV transfer directory
     kv_tokens: int = 0  # prompt tokens whose KV the file holds
+    kv_source: str | None = None  # "host:port" of the prefill runner's KV file server, if any
 
 
 class TokenizedRequest(_Internal):

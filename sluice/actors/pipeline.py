@@ -27,7 +27,7 @@ from sluice.actors.failover import RunnerFailover
 from sluice.actors.health import OpsServer
 from sluice.actors.ingress import Ingress
 from sluice.actors.kv_events import SNAPSHOT_EVERY_S, KvEventPublisher, KvEventsMessage
-from sluice.actors.kv_handoff import KvFiles, PrefillHandoff, default_transfer_dir
+from sluice.actors.kv_handoff import KvFiles, KvFileServer, PrefillHandoff, default_transfer_dir
 from sluice.actors.kv_router import DEAD_AFTER_S, LOAD_MARGIN, ROUTINGS, KvRouter
 from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
@@ -134,6 +134,8 @@ class PipelineConfig:
     runner_dead_after_s: float = DEAD_AFTER_S  # a runner silent this long is not routed to
     # Where a prefill runner leaves a prompt's KV for its decode runner (both must see it).
     kv_transfer_dir: str = field(default_factory=default_transfer_dir)
+    # A prefill runner's: where it serves its KV files to decode runners on other hosts.
+    kv_transfer_address: str | None = None
 
     @property
     def routed(self) -> bool:
@@ -181,6 +183,7 @@ class Pipeline:
         self._kv_feed: asyncio.Task | None = None
         self._failover: asyncio.Task | None = None
         self.kv_events: KvEventPublisher | None = None  # a routed runner's
+        self.kv_server: KvFileServer | None = None  # a prefill runner's, for other hosts
         self.group = ""  # the consumer group this process reads its input in
 
     # -- assembly ------------------------------------------------------------------------------
@@ -547,11 +550,18 @@ class Pipeline:
             assert kv_files is not None and self.producer is not None
             swept = kv_files.sweep()
             router = await self._router("kv")
-            handoff = PrefillHandoff(router, kv_files, self.producer.send, runner_id=c.runner_id)
+            source = None
+            if c.kv_transfer_address:
+                self.kv_server = KvFileServer(kv_files, c.kv_transfer_address)
+                source = self.kv_server.start()
+            handoff = PrefillHandoff(
+                router, kv_files, self.producer.send, runner_id=c.runner_id, source=source
+            )
             log.info(
                 "passing each request on to a decode runner after its first token, its prompt's "
-                "KV through %s%s",
+                "KV through %s%s%s",
                 c.kv_transfer_dir,
+                f" and to other hosts from {source}" if source else "",
                 f" ({swept} stale KV file(s) of this runner removed)" if swept else "",
             )
         actor = RunnerActor(
@@ -651,6 +661,8 @@ class Pipeline:
             await sink.flush()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)  # its tensor-parallel workers, if any
+        if self.kv_server is not None:
+            self.kv_server.stop()
         if isinstance(self.output, PartitionTransactions):
             await self.output.stop()
         if self.progress is not None:

@@ -226,7 +226,8 @@ class RunnerActor(Actor):
         request = work.request
         kv = None
         if work.handoff is not None and work.handoff.kv_file and self.kv_files is not None:
-            kv = await asyncio.to_thread(self.kv_files.take, work.handoff.kv_file)
+            handoff = work.handoff
+            kv = await asyncio.to_thread(self.kv_files.take, handoff.kv_file, handoff.kv_source)
         tracked = _Tracked(work, envelope.ack, time.time(), origin=envelope.origin)
         if not request.stream and request.logprobs is not None:
             tracked.logprobs = {}

@@ -181,6 +181,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "/dev/shm/sluice-kv where there is /dev/shm)",
     )
     parser.add_argument(
+        "--kv-transfer-address",
+        metavar="HOST:PORT",
+        help="prefill runners: serve KV files over TCP here, so that decode runners on other "
+        "hosts fetch them (without it, decode runners elsewhere compute the prompt again)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=60.0,
@@ -223,4 +229,6 @@ def run(args: argparse.Namespace) -> int:
         config.runner_id = args.runner_id
     if args.kv_transfer_dir:
         config.kv_transfer_dir = args.kv_transfer_dir
+    if args.kv_transfer_address:
+        config.kv_transfer_address = args.kv_transfer_address
     return asyncio.run(run_pipeline(config, args.role))

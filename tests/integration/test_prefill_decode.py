@@ -2,7 +2,9 @@
 tokenizer, a scheduler and a streamer, one process each) give the greedy tokens of one engine
 serving each request whole (float32), for 20 requests including chunked prefills (prompts longer
 than the token budget) and prefix hits; every request is finished by the decode runner, which
-adopted its prompt's KV instead of computing it, and reports it as cached."""
+adopted its prompt's KV instead of computing it, and reports it as cached: the KV through a
+shared directory, or from the prefill runner's file server as a decode runner on another host
+gets it."""
 
 from __future__ import annotations
 
@@ -58,11 +60,19 @@ def engine() -> LLMEngine:
     return LLMEngine(config=EngineConfig(kv_cache_bytes=256 << 20, max_num_batched_tokens=512))
 
 
+# The KV through a directory both runners see (one host), or, as between hosts, through the
+# prefill runner's file server to a decode runner with a directory of its own.
+@pytest.mark.parametrize("transfer", ["shared-dir", "file-server"])
 async def test_prefill_and_decode_runners_give_the_tokens_of_one(
-    bootstrap_servers, tmp_path, engine
+    bootstrap_servers, tmp_path, engine, transfer
 ):
     prefix = new_prefix()
-    routing = ("--routing", "kv", "--kv-transfer-dir", str(tmp_path / "kv"))
+    routing = ("--routing", "kv")
+    prefill_kv = ("--kv-transfer-dir", str(tmp_path / "kv"))
+    decode_kv = prefill_kv
+    if transfer == "file-server":
+        prefill_kv += ("--kv-transfer-address", "127.0.0.1:0")
+        decode_kv = ("--kv-transfer-dir", str(tmp_path / "decode-kv"))
     port = free_port()
     procs = {
         name: PipelineProcess(
@@ -72,11 +82,11 @@ async def test_prefill_and_decode_runners_give_the_tokens_of_one(
             (
                 "prefill-1",
                 "prefill",
-                (*routing, "--runner-id", "prefill-1", "--metrics-port", str(port)),
+                (*routing, *prefill_kv, "--runner-id", "prefill-1", "--metrics-port", str(port)),
             ),
-            ("decode-1", "decode", (*routing, "--runner-id", "decode-1")),
+            ("decode-1", "decode", (*routing, *decode_kv, "--runner-id", "decode-1")),
             ("tokenizer", "tokenizer", ()),
-            ("scheduler", "scheduler", routing[:2]),
+            ("scheduler", "scheduler", routing),
             ("streamer", "streamer", ()),
         )
     }
@@ -118,4 +128,6 @@ async def test_prefill_and_decode_runners_give_the_tokens_of_one(
     assert passed_on == len(first + second)
     with_blocks = [b for b in first + second if not b["request_id"].startswith("short")]
     assert decode_log.count(" adopted") == len(with_blocks), tails
-    assert not list((tmp_path / "kv").glob("*.kv")), "KV files left behind"
+    assert not list(tmp_path.glob("*kv/*.kv")), "KV files left behind"
+    if transfer == "file-server":
+        assert "and to other hosts from 127.0.0.1:" in procs["prefill-1"].text()
