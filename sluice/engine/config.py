@@ -191,7 +191,8 @@ class EngineConfig:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3, CUDA)
     # Tokens that depend on the request alone, not on the batch, chunking, cache or threads
-    # (`kernel_ops.deterministic_ops`); CPU, a KV cache of the model dtype.
+    # (`kernel_ops.deterministic_ops` on the CPU, `deterministic_triton_ops` on CUDA); a KV cache
+    # of the model dtype.
     deterministic: bool = False
     # Ranks the model's heads and MLP columns are split over (`tensor_parallel`): rank 0 is this
     # process, ranks 1..N-1 worker processes it starts

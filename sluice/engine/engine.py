@@ -38,7 +38,7 @@ import torch
 from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.draws import new_seed
-from sluice.engine.errors import EngineError, TensorParallelError, check_prompt_fits
+from sluice.engine.errors import ConfigError, EngineError, TensorParallelError, check_prompt_fits
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kv_events import KvEventLog, KvEvents
 from sluice.engine.loader import LoadedModel, build_model, load_model
@@ -95,6 +95,12 @@ class LLMEngine:
         self.ops = resolve_kernel_ops(
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
+        quantization = self.config.quantization
+        if quantization is not None and quantization not in self.ops.quantizations:
+            raise ConfigError(
+                f"the {self.ops.name} kernels do not run quantization {quantization!r}",
+                field="quantization",
+            )
         workers = None
         if self.config.tensor_parallel_size > 1:
             from .tensor_parallel.launcher import Workers

@@ -191,6 +191,30 @@ def decode_rows(plan: StepPlan) -> DecodeRows | None:
     )
 
 
+def token_rows(plan: StepPlan) -> DecodeRows | None:
+    """Every new token of the step as a decode row of its own: its sequence's block table and
+    its position + 1 as context length (a prefill chunk's token then attends exactly as it
+    would as a decode)."""
+    qlens = plan.query_lens_host
+    if not qlens.sum():
+        return None
+    seq_of_tok = np.repeat(np.arange(len(qlens)), qlens)
+    qsl = plan.query_starts_host()
+    lens = plan.seq_lens_host[seq_of_tok] - qlens[seq_of_tok] + np.arange(qsl[-1])
+    lens = lens - qsl[:-1][seq_of_tok] + 1
+    device = plan.block_tables.device
+
+    def dev(a, dtype):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
+
+    return DecodeRows(
+        dev(np.arange(qsl[-1]), torch.long),
+        dev(plan.block_tables_host[seq_of_tok], torch.int32),
+        dev(lens, torch.int32),
+        int(lens.max()),
+    )
+
+
 def prefill_rows(plan: StepPlan, min_query_len: int = 2) -> PrefillRows | None:
     """The step's prefill chunks for the CPU prefill kernel, or None if it has none; with
     `min_query_len` 1, its decodes too, as chunks of one token."""

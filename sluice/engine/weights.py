@@ -228,7 +228,8 @@ class BlockInt8Embedding(nn.Module):
 PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")  # the Linear modules of a decoder layer
 
 
-WEIGHT_LAYOUTS = ("onednn", "fixed-order")  # what `KernelOps.weight_layout` may ask for
+# what `KernelOps.weight_layout` may ask for ("plain": as loaded, for kernels that read them so)
+WEIGHT_LAYOUTS = ("onednn", "fixed-order", "plain")
 INT8_FORMATS = ("per-channel", "blocks")  # what `KernelOps.int8_format` may ask for
 
 
@@ -243,7 +244,8 @@ def transform_weights(
       (`quantize_in_blocks`) where its kernels read int8 that way;
     - "int4" quantizes it in 4-bit blocks of 32 (the native kernels only);
     - None packs its matmul weights in the layout its kernels read: for oneDNN where that is
-      available (`pack_for_onednn`), or for the fixed-order matmul (`pack_for_fixed_order`)."""
+      available (`pack_for_onednn`), for the fixed-order matmul (`pack_for_fixed_order`), or not
+      at all ("plain")."""
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"unknown weight layout {layout!r}")
     if int8_format not in INT8_FORMATS:
@@ -259,7 +261,7 @@ def transform_weights(
     elif quantization is None:
         if layout == "fixed-order":
             pack_for_fixed_order(model)
-        else:
+        elif layout == "onednn":
             pack_for_onednn(model)
     else:
         raise ConfigError(f"unsupported quantization {quantization!r}", field="quantization")

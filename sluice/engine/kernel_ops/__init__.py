@@ -75,13 +75,39 @@ def _require_native(what: str, field: str) -> None:
 
 
 def _deterministic(choice: str, device_type: str) -> KernelOps:
+    """The native deterministic family on the CPU; the Triton one on CUDA (or, for checking it,
+    in Triton's interpreter on the CPU with kernels='triton')."""
+    from ..kernels import interpreting, triton_available
+
     def fail(message: str, field: str = "deterministic") -> ConfigError:
         return ConfigError(message, field=field)
 
+    on_triton = (device_type == "cuda" and choice in ("auto", "triton")) or (
+        device_type == "cpu" and choice == "triton"
+    )
+    if on_triton:
+        if not triton_available():
+            raise fail("deterministic mode on CUDA runs Triton kernels: pip install triton")
+        if device_type == "cpu" and not interpreting():
+            raise fail(
+                "kernels='triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before starting",
+                "kernels",
+            )
+        from .deterministic_triton_ops import DeterministicTritonOps
+
+        return DeterministicTritonOps()
+    if device_type == "cuda":
+        raise fail(
+            f"deterministic mode on CUDA runs on the triton kernels, not {choice!r}", "kernels"
+        )
     if device_type != "cpu":
-        raise fail(f"deterministic mode runs on the CPU; not yet on {device_type}")
+        raise fail(f"deterministic mode runs on the CPU and on CUDA, not on {device_type}")
     if choice not in ("auto", "native"):
-        raise fail(f"deterministic mode runs on the native kernels, not {choice!r}", "kernels")
+        raise fail(
+            f"deterministic mode runs on the native or the triton kernels, not {choice!r}",
+            "kernels",
+        )
     _require_native("deterministic mode needs the native CPU kernels", "deterministic")
     from .deterministic_ops import DeterministicOps
 

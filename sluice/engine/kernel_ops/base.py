@@ -38,6 +38,8 @@ class KernelOps(ABC):
     weight_layout: ClassVar[str] = "onednn"
     # How `--quantization int8` stores weights for this family (`weights.INT8_FORMATS`)
     int8_format: ClassVar[str] = "per-channel"
+    # The `--quantization` settings the family multiplies (others are refused at start)
+    quantizations: ClassVar[tuple[str, ...]] = ("int8", "int4")
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back

@@ -40,13 +40,41 @@ from .native_ops import NativeOps, c_attention_served
 ROPE_CHUNK = 128  # positions computed together; small enough that torch never splits the work
 
 
-class DeterministicOps(NativeOps):
-    name = "deterministic"
-    weight_layout = "fixed-order"
+class ChunkedRope:
+    """Rotary cos and sin from a table filled in fixed chunks of positions, so that a position
+    gets the same bits in a step of any size (torch computes a tensor's last elements with scalar
+    code and the rest with vector code)."""
 
     def __init__(self) -> None:
         super().__init__()
         self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the rotary
+
+    def rotary_tables(self, rotary: RotaryEmbedding, positions, dtype) -> RopeTables:
+        cos, sin = self._table(rotary, int(positions.max()) + 1 if positions.numel() else 0)
+        return cos[positions], sin[positions]
+
+    def _table(self, rotary: RotaryEmbedding, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= length, D/2] float32 on the rotary's device, extended a chunk of
+        positions at a time."""
+        parts = self._rope.get(id(rotary))
+        have = 0 if parts is None else parts[0].shape[0]
+        if parts is not None and have >= length:
+            return parts
+        parts_c, parts_s = ([parts[0]], [parts[1]]) if parts is not None else ([], [])
+        device = rotary.inv_freq.device
+        for start in range(have, length, ROPE_CHUNK):
+            chunk = torch.arange(start, start + ROPE_CHUNK, device=device)
+            c, s = rotary.cos_sin(chunk, torch.float32)
+            parts_c.append(c.squeeze(1))
+            parts_s.append(s.squeeze(1))
+        table = torch.cat(parts_c), torch.cat(parts_s)
+        self._rope[id(rotary)] = table
+        return table
+
+
+class DeterministicOps(ChunkedRope, NativeOps):
+    name = "deterministic"
+    weight_layout = "fixed-order"
 
     def check(self, spec: AttentionSpec) -> None:
         served, prefill_served = c_attention_served(spec)
@@ -63,25 +91,6 @@ class DeterministicOps(NativeOps):
         # decodes as chunks of one, no decode rows: the native family's write_kv and attend then
         # run every sequence through the prefill kernel (`check` made sure it serves the model)
         return replace(step, attention=spec, prefills=prefill_rows(step, min_query_len=1))
-
-    def rotary_tables(self, rotary: RotaryEmbedding, positions, dtype) -> RopeTables:
-        cos, sin = self._table(rotary, int(positions.max()) + 1 if positions.numel() else 0)
-        return cos[positions], sin[positions]
-
-    def _table(self, rotary: RotaryEmbedding, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [>= length, D/2] float32, extended a chunk of positions at a time."""
-        parts = self._rope.get(id(rotary))
-        have = 0 if parts is None else parts[0].shape[0]
-        if parts is not None and have >= length:
-            return parts
-        parts_c, parts_s = ([parts[0]], [parts[1]]) if parts is not None else ([], [])
-        for start in range(have, length, ROPE_CHUNK):
-            c, s = rotary.cos_sin(torch.arange(start, start + ROPE_CHUNK), torch.float32)
-            parts_c.append(c.squeeze(1))
-            parts_s.append(s.squeeze(1))
-        table = torch.cat(parts_c), torch.cat(parts_s)
-        self._rope[id(rotary)] = table
-        return table
 
     def linear(self, x, layer: nn.Module):
         if not isinstance(layer, (FixedOrderLinear, BlockInt8Linear)):
