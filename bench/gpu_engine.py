@@ -21,8 +21,10 @@ ENGINE_VARIANTS = {  # name -> EngineConfig fields
     "int8": {"kernels": "triton", "quantization": "int8"},
     "kv-fp8": {"kernels": "triton", "kv_cache_dtype": "fp8"},
     "kv-int8": {"kernels": "triton", "kv_cache_dtype": "int8"},
+    # fixed-order matmuls, every token through the decode attention kernel (what the mode costs)
+    "deterministic": {"kernels": "triton", "deterministic": True},
 }
-DEFAULT_ENGINE_VARIANTS = ("triton", "torch", "int8", "kv-fp8")
+DEFAULT_ENGINE_VARIANTS = ("triton", "torch", "int8", "kv-fp8", "deterministic")
 SMOKE_ENGINE_VARIANTS = ("triton", "torch", "int8", "kv-int8")  # fp8 KV caches are CUDA-only
 
 
