@@ -6,9 +6,11 @@ token stream (`sluice tail REQUEST_ID --json > events.jsonl`) or a record of `sl
 `--topic`, and the request itself from PREFIX.requests unless `--request` gives it). The request is
 run alone with the seed its final event reports, on an engine set up as the recorded provenance
 says (dtype, deterministic mode, quantization, KV cache type; the recorded model file when it
-exists here, else `--model` or the default model). The report says "identical", or the first
-position where the tokens (or logprobs, when they were recorded) differ, and which provenance
-fields differ from this engine's.
+exists here, else `--model` or the default model). A session turn's prompt continues its
+conversation: replay reads the conversation as it was before that turn from the session's record
+in Redis (`--redis-url`; kept as long as the session lives). The report says "identical", or the
+first position where the tokens (or logprobs, when they were recorded) differ, and which
+provenance fields differ from this engine's.
 
 Exit status: 0 identical, 1 different, 2 bad input.
 """
@@ -35,6 +37,7 @@ from sluice.cli.client import (
     validate,
 )
 from sluice.connectors.kafka_security import KafkaRefused, KafkaSecurityError
+from sluice.connectors.settings import redis_url
 from sluice.schemas import FinalEvent, GenerateRequest, TokenEvent
 from sluice.schemas.events import LOGPROB_FLOOR
 
@@ -51,6 +54,7 @@ class Served:
     token_ids: dict[int, list[int]]  # per completion
     logprobs: dict[int, list[float]] = field(default_factory=dict)  # where they were recorded
     provenance: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int | None = None  # as the final event counted them
 
 
 @dataclass
@@ -92,6 +96,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kv-cache-mb", type=int, default=256)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--redis-url",
+        help="where a session turn's conversation is (default: REDIS_URL, else the local stack's)",
+    )
     add_kafka_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -108,7 +116,14 @@ def run(args: argparse.Namespace) -> int:
     except (ClientError, KafkaRefused, KafkaSecurityError) as exc:
         print(f"sluice replay: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    report = replay(served, args.model, args.device, args.kv_cache_mb << 20)
+    try:
+        history = None
+        if served.request.session_id is not None:
+            history = session_history(served.request, args.redis_url or redis_url())
+        report = replay(served, args.model, args.device, args.kv_cache_mb << 20, history)
+    except ClientError as exc:
+        print(f"sluice replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(json.dumps(report.to_dict()) if args.json else describe(served, report))
     return EXIT_IDENTICAL if report.identical else EXIT_DIFFERENT
 
@@ -205,6 +220,7 @@ def _from_events(events: list[dict], request: GenerateRequest) -> Served:
         token_ids=tokens,
         logprobs=logprobs,
         provenance=final.provenance.model_dump() if final.provenance else {},
+        prompt_tokens=final.usage.prompt_tokens,
     )
 
 
@@ -259,15 +275,46 @@ async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -
     raise ClientError(f"request {request_id} is not on {topic}: give --request FILE")
 
 
-def replay(served: Served, model: str | None, device: str, kv_cache_bytes: int) -> Report:
+def session_history(request: GenerateRequest, url: str) -> tuple[list[dict], list[int]]:
+    """A session turn's conversation before it (messages, token ids), from the session's record
+    in Redis, which keeps where each answered turn started."""
+    import redis
+
+    from sluice.connectors.sessions import SessionRecord, redact, session_key
+
+    assert request.session_id is not None
+    try:
+        with redis.Redis.from_url(url, socket_timeout=10) as client:
+            raw = client.get(session_key(request.tenant, request.session_id))
+    except redis.RedisError as exc:
+        raise ClientError(f"Redis at {redact(url)}: {exc} (give --redis-url)") from exc
+    if raw is None:
+        raise ClientError(
+            f"session {request.session_id!r} is not in Redis at {redact(url)} (expired, or "
+            "another Redis: give --redis-url): its turns cannot be replayed"
+        )
+    record = SessionRecord.model_validate_json(raw)
+    if request.request_id not in record.turn_ids:
+        raise ClientError(
+            f"session {request.session_id!r} has no answered turn {request.request_id!r}"
+        )
+    return record.before(request.request_id)
+
+
+def replay(
+    served: Served,
+    model: str | None,
+    device: str,
+    kv_cache_bytes: int,
+    history: tuple[list[dict], list[int]] | None = None,
+) -> Report:
+    """Run the request alone as recorded; a session turn after `history` (`session_history`)."""
     from sluice.actors.conversation import build_prompt
     from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
     request = served.request
-    if request.session_id is not None:
-        raise ClientError(
-            "a session turn's prompt holds its conversation so far, which replay cannot rebuild"
-        )
+    if request.session_id is not None and history is None:
+        raise ClientError("a session turn needs its conversation before it (session_history)")
     recorded = served.provenance
     dtype = recorded.get("dtype", "float32")
     kv = recorded.get("kv_cache_dtype", dtype)
@@ -283,7 +330,13 @@ def replay(served: Served, model: str | None, device: str, kv_cache_bytes: int) 
     if model is None and recorded_model and Path(recorded_model).exists():
         model = recorded_model
     engine = LLMEngine(model, config)
-    prompt = build_prompt(engine.tokenizer, request)
+    prompt = build_prompt(engine.tokenizer, request, *(history or (None, None)))
+    rebuilt, had = len(prompt.token_ids), served.prompt_tokens
+    if history is not None and had is not None and rebuilt != had:
+        raise ClientError(
+            f"the turn's prompt comes to {rebuilt} tokens from the session's record, {had} when "
+            "it was served (another tokenizer or chat template): it cannot be rebuilt here"
+        )
     params = SamplingParams(**{**request.sampling_kwargs(), "seed": served.seed})
     engine.add_request(request.request_id, params=params, prompt_token_ids=prompt.token_ids)
     tokens: dict[int, list[int]] = {}

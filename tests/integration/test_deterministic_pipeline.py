@@ -132,3 +132,53 @@ async def test_a_sigkill_and_resume_change_no_bit_of_what_is_served(bootstrap_se
         if "seed" in body:
             assert final["seed"] == body["seed"], rid
         assert served(streams.events[rid]) == alone(engine, body, final["seed"]), rid
+
+
+async def test_a_session_turn_replays_from_the_sessions_record(
+    bootstrap_servers, redis_url, tmp_path
+):
+    """Each turn of a chat session replays identically: its conversation before it comes from the
+    session's record in Redis, as the pipeline's tokenizer built it. A session Redis does not
+    hold is a clear error."""
+    prefix = new_prefix()
+    session = f"{prefix}-chat"
+    turns = [
+        {"request_id": "turn-1", "messages": [{"role": "user", "content": "Name a colour."}]},
+        {"request_id": "turn-2", "messages": [{"role": "user", "content": "And a fruit?"}]},
+    ]
+    process = PipelineProcess(
+        bootstrap_servers, redis_url, prefix, tmp_path, "--deterministic", name="sessions"
+    )
+    try:
+        process.wait_ready()
+        async with Watcher(bootstrap_servers, prefix) as watcher:
+            for turn in turns:
+                body = {k: v for k, v in turn.items() if k != "request_id"}
+                message = request(
+                    turn["request_id"], **body, session_id=session, temperature=1.0,
+                    max_tokens=12, ignore_eos=True, logprobs=1,
+                )  # fmt: skip
+                await publish(bootstrap_servers, f"{prefix}.requests", [message])
+                streams = await watcher.wait_finals({turn["request_id"]}, timeout=120)
+    finally:
+        assert process.stop() == 0, process.tail()
+    second = streams.finals("turn-2")[0]
+    assert second["usage"]["cached_tokens"] > 0  # it continued the first turn's conversation
+
+    def replay(rid: str, url: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "sluice", "replay", "--request-id", rid, "--redis-url", url]
+            + ["--bootstrap-servers", bootstrap_servers, "--topic-prefix", prefix]
+            + ["--kv-cache-mb", "128"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    for rid in ("turn-1", "turn-2"):
+        replayed = replay(rid, redis_url)
+        assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+        assert f"identical: 12 tokens and logprobs of {rid}" in replayed.stdout, replayed.stdout
+    elsewhere = replay("turn-2", redis_url.rsplit("/", 1)[0] + "/9")  # another database
+    assert elsewhere.returncode == 2
+    assert f"session '{session}' is not in Redis" in elsewhere.stderr, elsewhere.stderr
