@@ -3,7 +3,10 @@
 The native family runs a step's whole stack of layers in one C call where every matmul weight is
 packed for its kernels (`cpu_kernels/decoder_layers.c`: int8 or int4 weights). This times one
 request (a 40-token prompt, then 64 greedy tokens) both ways in one engine, the two interleaved
-round by round (this machine's speed drifts), and reports the medians and their ratio.
+round by round (this machine's speed drifts), and reports the medians and their ratio, and each
+against the weight-read floor: the bytes of weights a step reads (every matrix as stored, norms;
+of an untied embedding table only a row) over this machine's memory read rate, measured here (a
+512 MiB sum on the same threads, median of 8).
 
     .venv/bin/python bench/layer_stack.py --quantization int4 --rounds 6
 """
@@ -29,7 +32,9 @@ from sluice.engine import LLMEngine  # noqa: E402
 from sluice.engine.config import EngineConfig  # noqa: E402
 from sluice.engine.cpu_kernels.block_int8_linear import dot_path  # noqa: E402
 from sluice.engine.kernel_ops.native_ops import NativeOps  # noqa: E402
+from sluice.engine.memory import weight_bytes  # noqa: E402
 from sluice.engine.sampling_params import SamplingParams  # noqa: E402
+from sluice.engine.weights import BlockInt8Embedding  # noqa: E402
 
 MODES = ("one call", "layer by layer")
 
@@ -45,6 +50,28 @@ def decode_ms_per_token(engine: LLMEngine, request: int, output_len: int) -> flo
         engine.step()
         steps += 1
     return 1000 * (time.perf_counter() - start) / steps
+
+
+def weight_bytes_per_step(engine: LLMEngine) -> int:
+    """Bytes of weights one decode step reads: all of them, but only a row of an embedding table
+    that is not the LM head's matrix too."""
+    model = engine.runner.model
+    total = weight_bytes(model)
+    if not isinstance(model.embed_tokens, BlockInt8Embedding):
+        total -= weight_bytes(model.embed_tokens)
+    return total
+
+
+def memory_read_gb_s(repeats: int = 8) -> float:
+    """This machine's memory read rate on torch's threads: a sum over 512 MiB, median."""
+    x = torch.ones(128 << 20)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.nbytes / statistics.median(times) / 1e9
 
 
 def main() -> None:
@@ -74,14 +101,21 @@ def main() -> None:
             print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1]:.2f} ms/token", flush=True)
     NativeOps.run_layers = one_call  # type: ignore[method-assign]
     medians = {m: statistics.median(v) for m, v in times.items()}
+    step_bytes = weight_bytes_per_step(engine)
+    read_gb_s = memory_read_gb_s()
+    floor_ms = step_bytes / read_gb_s / 1e6
     cpu = cpu_model()
     print(
         f"\n{cpu}, {args.threads} threads, dot path {dot_path()}; {args.quantization} weights, "
-        f"{args.dtype} activations, batch 1"
+        f"{args.dtype} activations, batch 1; weight-read floor {step_bytes / 1e6:.1f} MB a "
+        f"token / {read_gb_s:.1f} GB/s = {floor_ms:.2f} ms"
     )
-    print("| layers | ms/token (median) | x one call |\n|---|---|---|")
+    print("| layers | ms/token (median) | x one call | x floor |\n|---|---|---|---|")
     for m in MODES:
-        print(f"| {m} | {medians[m]:.2f} | {medians[m] / medians[MODES[0]]:.2f} |")
+        print(
+            f"| {m} | {medians[m]:.2f} | {medians[m] / medians[MODES[0]]:.2f} "
+            f"| {medians[m] / floor_ms:.2f} |"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -93,6 +127,9 @@ def main() -> None:
                 "dtype": args.dtype,
                 "ms_per_token": times,
                 "median": medians,
+                "weight_bytes_per_step": step_bytes,
+                "memory_read_gb_s": read_gb_s,
+                "floor_ms": floor_ms,
             },
             indent=2,
         )

@@ -5,6 +5,17 @@
     .venv/bin/python bench/peers.py --quick    # a smaller version, a few minutes
     .venv/bin/python bench/peers.py --table-from bench/results/peers.json
 
+On a CPU with AMX, llama.cpp's AMX path (built in by its default -march=native) died with SIGSEGV
+repacking this model's Q8_0 and Q4_1 tensors (llama-cpp-python 0.3.36, an Intel Xeon with
+AMX-INT8); build it with its other vector paths and without AMX:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
+      .venv/bin/pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
+
+A phase whose process dies is reported as not measured and the others still run.
+
 Weights: the default model's GGUF (SmolLM2-135M: Q4_1, with a Q8_0 embedding) and what llama.cpp's
 own quantizer (`llama_model_quantize`, requantizing allowed) makes of it: F32, BF16 and Q8_0 files,
 written once under bench/results/peers-models. All hold the same weights: F32 is the Q4_1 file's
@@ -37,6 +48,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -330,22 +342,23 @@ def main() -> None:
         a.dtype = dtype
         extra = ["--model", str(files[fmt]), "--kv-cache-mib", str(kv_mib), "--tm-samples", "0"]
         extra += ["--quantization", quant] if quant else []
-        r = et.spawn("sluice", a, w, extra)
+        r = spawn_or_failure("sluice", a, w, extra)
         r.update(engine="sluice", config=name, weights=fmt)
         runs[f"sluice {name}"] = r
     a.dtype = "float32"
     for fmt in a.formats.split(","):
         et.log(f"llama.cpp {fmt}: load + run")
         extra = ["--model", str(files[fmt]), "--n-batch", str(a.n_batch)]
-        r = et.spawn("llama", a, w, extra, script=__file__)
-        r.update(config=fmt, weights=fmt)
+        r = spawn_or_failure("llama", a, w, extra, script=__file__)
+        r.update(engine="llama.cpp", config=fmt, weights=fmt)
         runs[f"llama.cpp {fmt}"] = r
 
-    digests = {r["prompt_digest"] for r in runs.values()}
-    assert len(digests) == 1, f"the engines saw different prompts: {digests}"
+    measured = [r for r in runs.values() if "failed" not in r]
+    digests = {r["prompt_digest"] for r in measured}
+    assert len(digests) <= 1, f"the engines saw different prompts: {digests}"
     reference = runs.get("sluice float32")
-    ref_outputs = None if reference is None else reference["outputs"]
-    for r in runs.values():
+    ref_outputs = None if reference is None or "failed" in reference else reference["outputs"]
+    for r in measured:
         outputs = r.pop("outputs")
         if reference is not None:
             r["agreement"] = agreement(outputs, ref_outputs)
@@ -373,8 +386,23 @@ def main() -> None:
     et.log(f"wrote {a.json}")
 
 
+def spawn_or_failure(phase: str, a, w: dict, extra: list[str], **kw) -> dict:
+    """A phase's results, or {"failed": why} when its process died (llama.cpp's AMX path
+    segfaulted on some builds): the other phases still run and the table says which failed."""
+    try:
+        return et.spawn(phase, a, w, extra, **kw)
+    except subprocess.CalledProcessError as e:
+        why = f"exit {e.returncode}" if e.returncode > 0 else f"killed by signal {-e.returncode}"
+        et.log(f"{phase}: the phase's process died ({why}); going on without it")
+        return {"failed": why}
+
+
 def summarize(r: dict) -> None:
     runs = r["runs"]
+    for label, x in runs.items():
+        if "failed" in x:
+            print(f"{label}: not measured, its process died ({x['failed']})")
+    runs = {label: x for label, x in runs.items() if "failed" not in x}
     llama = [x for x in runs.values() if x["engine"] == "llama.cpp"]
     best_tput = max((x["throughput_tok_s"] for x in llama), default=float("nan"))
     best_ms = min((x["single_ms_per_token"] for x in llama), default=float("nan"))

@@ -3,6 +3,7 @@
     .venv/bin/python bench/pipeline.py            # 64 requests, prompts of 32..512 tokens, 128 out
     .venv/bin/python bench/pipeline.py --quick    # 16 requests, 32..128 tokens, 32 out
     .venv/bin/python bench/pipeline.py --delivery both   # the kafka phase once per delivery mode
+    .venv/bin/python bench/pipeline.py --quantization int4   # int4 weights, as stored, both sides
 
 Phases, one after the other on this machine:
   engine   LLMEngine in this process: all requests added at once, stepped until done; TTFT and
@@ -102,6 +103,7 @@ def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
             dtype=args.dtype,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kernels=args.kernels,
+            quantization=args.quantization,
         ),
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -152,6 +154,8 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str], delivery
         "--delivery",
         delivery,
     ]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
@@ -248,6 +252,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="weights multiplied as stored by the native kernels, on both sides",
+    )
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
