@@ -140,6 +140,8 @@ class LLMEngine:
             ops=self.ops,
             source=self.loaded.source,
         )
+        if workers is None and self.config.quantization and self.ops.name == "native":
+            self._choose_widening(model_obj)
         weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         if workers is None:
@@ -244,6 +246,35 @@ class LLMEngine:
             f": the model's matmuls at 1, 16 and 256 rows took {timed}" if timed else "",
         )
         return choice.dtype
+
+    def _choose_widening(self, model) -> None:
+        """From how many rows a step widens each quantized projection to bfloat16 for a oneDNN
+        matmul (`widen_probe`: measured, or cached), and the log line that says so."""
+        from .widen_probe import choose_widening, projection_shapes
+
+        choice = choose_widening(projection_shapes(model.layers), self.config.torch_dtype)
+        self.ops.widen_rows = choice.rows  # type: ignore[attr-defined]
+        timed = "; ".join(
+            f"{shape}: "
+            + ", ".join(f"{rows} rows {a:.2f}/{b:.2f} ms" for rows, (a, b) in ms.items())
+            for shape, ms in choice.ms.items()
+        )
+        if choice.rows:
+            where = ", ".join(f"{n}x{k} from {rows} rows" for (n, k), rows in choice.rows.items())
+            log.info(
+                "%s weights widened to bfloat16 for large steps (%s): %s%s",
+                self.config.quantization,
+                choice.reason,
+                where,
+                f" (as stored / widened: {timed})" if timed else "",
+            )
+        else:
+            log.info(
+                "%s weights multiplied as stored at every step size (%s%s)",
+                self.config.quantization,
+                choice.reason,
+                f"; as stored / widened: {timed}" if timed else "",
+            )
 
     # -- requests ------------------------------------------------------------------------------
 

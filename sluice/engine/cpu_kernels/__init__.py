@@ -286,6 +286,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_block_int8_pack": (None, [ptr, ptr, i64, i64, ptr]),
         "sluice_block_int8_dot_path": (i32, []),
         "sluice_block_int8_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
+        "sluice_block_widen": (None, [ptr, i64, i64, i32, ptr, i32, i32]),
         # the layer table and the step as decoder_layers.py's structures
         "sluice_decoder_layers": (i32, [ptr, i32, ptr, ptr, ptr, ptr, ptr]),
     }

@@ -154,6 +154,49 @@ int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const in
     return 0;
 }
 
+/* Column c of a packed block (either format), dequantized: w[t] for k = 32b + t. The products are
+ * exact in float32 (a code times a float16 scale), so the values are the codes' own. */
+static inline void block_column(const uint8_t *blk, int fmt, int c, float w[KB]) {
+    /* the column's bytes are gathered in k order first, four from each 64-byte vector, so the
+     * conversions run on whole vectors */
+    if (fmt == FMT_Q4) {
+        const uint16_t *dd = (const uint16_t *)(blk + KB * NC / 2);
+        const float d = f16_to_float(dd[c]), m = f16_to_float(dd[NC + c]);
+        uint8_t nibbles[KB / 2];
+        for (int j = 0; j < KB / 8; j++) memcpy(nibbles + 4 * j, blk + j * 64 + 4 * c, 4);
+        for (int t = 0; t < KB / 2; t++) w[t] = (float)(int)(nibbles[t] & 0x0f) * d + m;
+        for (int t = 0; t < KB / 2; t++) w[t + KB / 2] = (float)(int)(nibbles[t] >> 4) * d + m;
+        return;
+    }
+    const float scale = f16_to_float(((const uint16_t *)(blk + KB * NC))[c]);
+    uint8_t q[KB];
+    for (int j = 0; j < KB / 4; j++) memcpy(q + 4 * j, blk + j * 64 + 4 * c, 4);
+    for (int t = 0; t < KB; t++) w[t] = (float)((int)q[t] - 128) * scale;
+}
+
+/* The whole packed [N, K] weight dequantized into out [N, K] (float32, or bfloat16 rounded once),
+ * for a step with enough rows that a float matmul on the widened copy beats this kernel (a CPU
+ * with AMX at a prefill's row counts: the caller measures). */
+void sluice_block_widen(const uint8_t *packed, int64_t N, int64_t K, int fmt, void *out, int bf16, int num_threads) {
+    const int64_t nb = blocks_of(K), P = panels_of(N), bytes = block_bytes(fmt);
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K > 65536)
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = packed + (p * nb + b) * bytes;
+            const int64_t k0 = b * KB, kn = K - k0 < KB ? K - k0 : KB;
+            for (int c = 0; c < NC && p * NC + c < N; c++) {
+                float w[KB];
+                block_column(blk, fmt, c, w);
+                const int64_t at = (p * NC + c) * K + k0;
+                if (bf16)
+                    narrow_n((uint16_t *)out + at, w, (int)kn);
+                else
+                    memcpy((float *)out + at, w, (size_t)kn * sizeof(float));
+            }
+        }
+}
+
 /* Row m of x into nb blocks of codes (xq, nb * 32 bytes), their scales and their code sums. */
 static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
     for (int64_t b = 0; b < nb; b++) {

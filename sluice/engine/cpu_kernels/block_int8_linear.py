@@ -162,6 +162,25 @@ def block_int8_rows(weight: BlockInt8Weight, ids: torch.Tensor, dtype: torch.dty
     return out.view(*ids.shape, weight.k)
 
 
+def widen_blocks(weight: BlockInt8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight dequantized, [N, K] in `dtype` (float32 or bfloat16): the values its codes
+    stand for (`dequantize_blocks`, `dequantize_q4_blocks`), bfloat16 rounded once. For a step with
+    enough rows that a float matmul on this copy beats `block_int8_linear` (`NativeOps`)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"float32 or bfloat16 only, not {dtype}")
+    out = torch.empty(weight.n, weight.k, dtype=dtype)
+    require_library().sluice_block_widen(
+        weight.data.data_ptr(),
+        weight.n,
+        weight.k,
+        weight.fmt,
+        out.data_ptr(),
+        int(dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return out
+
+
 DOT_PATHS = ("portable", "avx2", "avx512-vnni")  # as sluice_block_int8_dot_path numbers them
 
 

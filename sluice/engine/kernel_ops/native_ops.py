@@ -4,7 +4,9 @@ bfloat16 models, on a cache of the model's type or an int8 one, read directly), 
 residual add, rotary and SiLU-and-multiply, int8 weights multiplied as stored
 (`block_int8_linear`); torch (oneDNN) for the float matmuls, and the sampler. Where every matmul
 weight is packed for a C kernel (int8 or int4 weights), a step's whole stack of layers is one C
-call (`decoder_layers`: the same kernels, the same bits, no Python between them).
+call (`decoder_layers`: the same kernels, the same bits, no Python between them). A step with
+enough rows may widen a quantized weight to bfloat16 for a oneDNN matmul instead, where the engine
+measured that faster (`widen_rows`, `widen_probe`).
 
 Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
 takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
@@ -17,8 +19,10 @@ import functools
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from ..cpu_kernels import kv_write, paged_decode, paged_prefill
+from ..cpu_kernels.block_int8_linear import BlockInt8Weight, widen_blocks
 from ..cpu_kernels.decoder_layers import LayerStack
 from ..cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
 from ..paged_cache import LayerKVCache
@@ -48,6 +52,17 @@ class NativeOps(TorchOps):
     def __init__(self) -> None:
         # by id of the model's layer list: its layers as one C call, or None where they cannot be
         self._stacks: dict[int, LayerStack | None] = {}
+        # (N, K) of a quantized weight -> the rows from which a bfloat16 step widens it for a
+        # oneDNN matmul (`widen_probe`, set by the engine); empty: always as stored
+        self.widen_rows: dict[tuple[int, int], int] = {}
+
+    def linear(self, x, layer):
+        packed = getattr(layer, "packed", None)
+        if isinstance(packed, BlockInt8Weight) and x.dtype == torch.bfloat16:
+            rows = self.widen_rows.get((packed.n, packed.k))
+            if rows is not None and x.shape[0] >= rows:
+                return F.linear(x, widen_blocks(packed, x.dtype), layer.bias)
+        return layer(x)
 
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
         served, prefill_served = c_attention_served(spec)
@@ -111,6 +126,8 @@ class NativeOps(TorchOps):
         # one C call for the stack where every matmul weight is packed for a C kernel
         if c_attention_served(plan.spec) != (True, True):
             return None
+        if self.widen_rows and x.shape[0] >= min(self.widen_rows.values()):
+            return None  # some projection widens at this many rows: layer by layer
         key = id(layers)
         if key not in self._stacks:
             self._stacks[key] = LayerStack.of(layers)

@@ -26,6 +26,7 @@ from sluice.engine.cpu_kernels.block_int8_linear import (
     pack_q4_blocks,
     quantize_blocks,
     quantize_q4_blocks,
+    widen_blocks,
 )
 
 # SmolLM2's q/k/v and down shapes, a partial last panel with K not a multiple of 32, tiny ones
@@ -280,3 +281,21 @@ def test_rejects_mismatched_operands():
         pack_q4_blocks(codes4, d, m.float(), 8)
     with pytest.raises(ValueError, match="int8 weights only"):
         block_int8_rows(pack_q4_blocks(codes4, d, m, 8), torch.tensor([0]), torch.float32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_widened_weight_is_the_dequantized_weight(n, k, dtype, bits):
+    """What a large step multiplies with oneDNN instead (`NativeOps`, `widen_probe`): every value
+    its codes stand for, bfloat16 rounded once."""
+    _, w, _ = _data(n, k, torch.float32)
+    if bits == 8:
+        codes, scales = quantize_blocks(w)
+        packed, want = pack_blocks(codes, scales, k), dequantize_blocks(codes, scales, k)
+    else:
+        codes, d, m = quantize_q4_blocks(w)
+        packed, want = pack_q4_blocks(codes, d, m, k), dequantize_q4_blocks(codes, d, m, k)
+    got = widen_blocks(packed, dtype)
+    assert got.shape == (n, k) and got.dtype == dtype
+    assert torch.equal(got, want.to(dtype))
