@@ -54,6 +54,9 @@ class Provenance:
     kv_cache_dtype: str
     kernels: str  # the kernel family (`KernelOps.name`)
     native_build: str | None  # compiler and flags of the native CPU kernels, where they run
+    # "NxK" of a quantized projection -> rows from which a step widens it to bfloat16
+    # (`widen_probe`); None where no step widens
+    widened_from_rows: dict[str, int] | None
     deterministic: bool
     device: str
     device_name: str  # the CPU model, or the GPU's name and compute capability
@@ -94,11 +97,17 @@ def engine_provenance(engine: LLMEngine, weights_sha256: str) -> Provenance:
         kv_cache_dtype=str(engine.config.kv_torch_dtype).removeprefix("torch."),
         kernels=engine.kernels,
         native_build=_native_build() if native else None,
+        widened_from_rows=_widened_from_rows(engine),
         deterministic=config.deterministic,
         device=str(device),
         device_name=_device_name(device),
         cpu_features=cpu_features(),
     )
+
+
+def _widened_from_rows(engine: LLMEngine) -> dict[str, int] | None:
+    rows = getattr(engine.ops, "widen_rows", None)
+    return {f"{n}x{k}": m for (n, k), m in sorted(rows.items())} if rows else None
 
 
 def weights_sha256(source: str, tensors: dict[str, torch.Tensor]) -> str:

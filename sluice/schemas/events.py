@@ -212,6 +212,11 @@ class Provenance(_Wire):
     native_build: str | None = Field(
         None, description="Compiler and flags of the native CPU kernels, where they run."
     )
+    widened_from_rows: dict[str, int] | None = Field(
+        None,
+        description="Quantized projections ('NxK') a step of at least this many rows widens to "
+        "bfloat16 for a oneDNN matmul (measured faster at start); null where none is.",
+    )
     deterministic: bool = Field(
         description="Tokens depend on the request and seed alone, not on the batch, chunking, "
         "prefix cache or thread count (docs/REPRODUCIBILITY.md)."

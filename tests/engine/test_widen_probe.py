@@ -124,6 +124,9 @@ def test_an_engine_widens_only_steps_with_enough_rows(monkeypatch):
     assert set(e.ops.widen_rows.values()) == {16}
     # the prompt's step widens all four projections of every layer; the decode steps none
     assert steps == [4 * layers, 0, 0]
+    # and every output says so
+    c = e.model_config
+    assert e.provenance.widened_from_rows[f"{c.intermediate_size * 2}x{c.hidden_size}"] == 16
 
 
 @pytest.mark.parametrize(
@@ -138,3 +141,4 @@ def test_no_widening_in_float32_or_deterministic_mode(monkeypatch, config):
     monkeypatch.setenv(widen_probe.ENV, "16")
     e, steps = _widenings_per_step(monkeypatch, **config)
     assert steps == [0, 0, 0]
+    assert e.provenance.widened_from_rows is None
