@@ -55,6 +55,9 @@ from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+# GGUF types whose values int4 blocks hold (scale and minimum per block of 32 or finer)
+FOUR_BIT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+
 
 @dataclass
 class Request:
@@ -142,6 +145,7 @@ class LLMEngine:
         )
         if workers is None and self.config.quantization and self.ops.name == "native":
             self._choose_widening(model_obj)
+        self._hint_stored_quantization()
         weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         if workers is None:
@@ -246,6 +250,23 @@ class LLMEngine:
             f": the model's matmuls at 1, 16 and 256 rows took {timed}" if timed else "",
         )
         return choice.dtype
+
+    def _hint_stored_quantization(self) -> None:
+        """A file whose matrices are quantized runs dequantized unless asked otherwise: say which
+        `--quantization` multiplies them as stored (what a llama.cpp user expects of a GGUF)."""
+        formats = self.loaded.stored_formats
+        if self.config.quantization or not formats or self.ops.name != "native":
+            return
+        suggested = "int4" if set(formats) <= FOUR_BIT_FORMATS else "int8"
+        log.info(
+            "%s stores its layers' matrices as %s; they run dequantized to %s here. "
+            "--quantization %s multiplies them quantized, as stored (less memory, faster a token: "
+            "docs/ENGINE.md)",
+            self.loaded.source,
+            "/".join(formats),
+            self.config.dtype,
+            suggested,
+        )
 
     def _choose_widening(self, model) -> None:
         """From how many rows a step widens each quantized projection to bfloat16 for a oneDNN

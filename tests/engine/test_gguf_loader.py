@@ -354,6 +354,32 @@ def test_default_model_metadata(smollm2):
     assert smollm2.tokenizer is not None and 2 in c.eos_token_ids
 
 
+def test_the_file_says_how_it_stored_its_layers_and_the_engine_suggests_running_them_so(
+    smollm2, tmp_path, caplog
+):
+    """The default file keeps its layers in Q4_1 (its embedding, Q8_0, is not a layer's); a float
+    file reports nothing. An engine that runs quantized layers dequantized says which
+    --quantization multiplies them as stored; asked for it, it says nothing."""
+    import logging
+
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.engine import LLMEngine
+
+    assert smollm2.stored_formats == ("Q4_1",)
+    write_gguf(tmp_path / "m.gguf", build("llama"), "llama", f16=True)
+    assert load_model(tmp_path / "m.gguf", load_tokenizer=False).stored_formats == ()
+
+    def hint(**config) -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sluice.engine.engine"):
+            LLMEngine(config=EngineConfig(kv_cache_bytes=8 << 20, **config))
+        return [r.getMessage() for r in caplog.records if "multiplies them quantized" in r.message]
+
+    (line,) = hint(kernels="native")
+    assert "as Q4_1" in line and "--quantization int4" in line and "float32" in line
+    assert hint(kernels="native", quantization="int4") == []
+
+
 def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
     """transformers' GGUF path (what from_pretrained(dir, gguf_file=...) runs; from_pretrained
     itself also wants accelerate) dequantizes the same bytes with the same numpy code, so the

@@ -30,6 +30,9 @@ class LoadedModel:
     ]  # HF names; float32 unless load_model(dtype=...) asked otherwise
     tokenizer: Tokenizer | None  # None only when load_model(load_tokenizer=False)
     source: str  # path it came from
+    # the quantized types the file stored the decoder layers' matrices in (GGUF's, such as
+    # "Q4_1"); empty where they were float tensors
+    stored_formats: tuple[str, ...] = ()
 
 
 def _is_gguf(path: Path) -> bool:

@@ -209,11 +209,13 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     config, gguf_arch = read_config(reader, source)
     target = torch.float32 if dtype is None else torch_dtype(dtype)
 
-    tensors = {}
+    tensors, formats = {}, set()
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
+        if t.name.startswith("blk.") and name.endswith("_proj.weight"):
+            formats.add(t.tensor_type.name)
         w = dequantize(t, source)
         if gguf_arch in PERMUTED_QK:
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
@@ -229,4 +231,11 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         from ..tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(reader, source)
-    return LoadedModel(config=config, tensors=tensors, tokenizer=tokenizer, source=source)
+    quantized = tuple(sorted(f for f in formats if f not in ("F32", "F16", "BF16")))
+    return LoadedModel(
+        config=config,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        source=source,
+        stored_formats=quantized,
+    )
