@@ -12,9 +12,9 @@ Where that pays is not written in the CPU's flags, so at start the engine times,
 model's projection shapes and each of ROWS, the kernel on the stored blocks against widening
 plus oneDNN, interleaved, and widens a shape from the smallest row count at which widening won
 there and at every larger count probed; never where it did not win at the largest. Only for
-bfloat16 activations: in float32 the int8 kernel is faster than oneDNN at every row count. The
-result is cached per machine beside the dtype probe's; `SLUICE_WIDEN_ROWS` overrides it in
-bfloat16 ("never", or a row count for every shape).
+bfloat16 activations: in float32 the int8 kernel was 2-5x faster than oneDNN at every row count
+measured (docs/ENGINE.md). The result is cached per machine beside the dtype probe's;
+`SLUICE_WIDEN_ROWS` overrides it in bfloat16 ("never", or a row count for every shape).
 
 Widening changes a step's rounding (bfloat16 weights and activations instead of int8-quantized
 activations), so in default mode a request's logits may depend on the size of the step it ran in;
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import statistics
 import time
@@ -47,8 +46,6 @@ from .cpu_kernels.block_int8_linear import (
     widen_blocks,
 )
 from .dtype_probe import MAX_PROBE_ELEMS, _read_cache, _write_cache
-
-log = logging.getLogger(__name__)
 
 ROWS = (64, 256, 1024)  # a large decode batch, a prefill chunk, a large prefill step
 REPEATS = 3
