@@ -76,6 +76,23 @@ def reset_rss_peak() -> bool:
         return False
 
 
+# The workload every engine-level benchmark runs (bench/peers.py and bench/widen.py too): 64
+# requests of 32..512 random prompt tokens, 128 out, and a single request of 128 in, 128 out.
+FULL_WORKLOAD = dict(
+    num_requests=64,
+    prompt_min=32,
+    prompt_max=512,
+    output_len=128,
+    single_prompt_len=128,
+    single_output_len=128,
+)
+
+
+def prompt_tokens(w: dict) -> int:
+    """The workload's prompt tokens in all (the lengths do not depend on the vocabulary)."""
+    return sum(len(p) for p in workload(w, 49152)[0])
+
+
 def workload(w: dict, vocab: int) -> tuple[list[list[int]], list[int]]:
     """The batch prompts and the single-request prompt: seeded, identical for both sides."""
     import numpy as np
@@ -646,14 +663,7 @@ def main() -> None:
         )
         hf_bs, roof_rows, roof_s = [4, 8], [1, 64, 256], 0.2
     else:
-        w = dict(
-            num_requests=64,
-            prompt_min=32,
-            prompt_max=512,
-            output_len=128,
-            single_prompt_len=128,
-            single_output_len=128,
-        )
+        w = dict(FULL_WORKLOAD)
         hf_bs, roof_rows, roof_s = [8, 16, 32, 64], [1, 16, 64, 256, 2048], 2.0
     w["seed"] = a.seed
     if a.num_requests:
@@ -665,9 +675,7 @@ def main() -> None:
     ]
     if a.kv_cache_mib is None:
         a.kv_cache_mib = kv_cache_mib_for(w, 4 if a.dtype == "float32" else 2)
-    w["prompt_tokens"] = sum(
-        len(p) for p in workload(w, 49152)[0]
-    )  # lengths do not depend on the vocab
+    w["prompt_tokens"] = prompt_tokens(w)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, a.skip.split(",")))
 

@@ -320,16 +320,16 @@ def main() -> None:
     except ImportError:
         sys.exit("bench/peers.py needs llama-cpp-python: .venv/bin/pip install -e '.[peers]'")
 
-    w = dict(
-        num_requests=8 if a.quick else 64,
+    quick = dict(
+        num_requests=8,
         prompt_min=32,
-        prompt_max=128 if a.quick else 512,
-        output_len=32 if a.quick else 128,
-        single_prompt_len=64 if a.quick else 128,
-        single_output_len=32 if a.quick else 128,
-        seed=a.seed,
+        prompt_max=128,
+        output_len=32,
+        single_prompt_len=64,
+        single_output_len=32,
     )
-    w["prompt_tokens"] = sum(len(x) for x in et.workload(w, 49152)[0])
+    w = dict(quick if a.quick else et.FULL_WORKLOAD, seed=a.seed)
+    w["prompt_tokens"] = et.prompt_tokens(w)
     files = weight_files()
     started = time.time()
     et.log(f"workload: {w}; {a.threads} threads")

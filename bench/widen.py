@@ -39,16 +39,16 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=RESULTS)
     a = p.parse_args()
     a.dtype, a.wait_idle, a.retries = "bfloat16", 0, 0
-    w = dict(
-        num_requests=16 if a.quick else 64,
+    quick = dict(
+        num_requests=16,
         prompt_min=32,
-        prompt_max=128 if a.quick else 512,
-        output_len=32 if a.quick else 128,
-        single_prompt_len=64 if a.quick else 128,
-        single_output_len=32 if a.quick else 128,
-        seed=0,
+        prompt_max=128,
+        output_len=32,
+        single_prompt_len=64,
+        single_output_len=32,
     )
-    w["prompt_tokens"] = sum(len(x) for x in et.workload(w, 49152)[0])
+    w = dict(quick if a.quick else et.FULL_WORKLOAD, seed=0)
+    w["prompt_tokens"] = et.prompt_tokens(w)
     extra = ["--kv-cache-mib", str(et.kv_cache_mib_for(w, 2)), "--tm-samples", "0"]
     runs: dict[str, dict[str, list[dict]]] = {}
     for quant in a.quantizations.split(","):

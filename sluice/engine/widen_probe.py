@@ -35,17 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernels import cache_root, cpu_signature, require_library
-from .cpu_kernels.block_int8_linear import (
-    FMT_Q4,
-    BlockInt8Weight,
-    block_int8_linear,
-    pack_blocks,
-    pack_q4_blocks,
-    quantize_blocks,
-    quantize_q4_blocks,
-    widen_blocks,
-)
+from .cpu_kernels.block_int8_linear import FMT_Q4, BlockInt8Weight, block_int8_linear, widen_blocks
 from .dtype_probe import MAX_PROBE_ELEMS, _read_cache, _write_cache
+from .weights import BlockInt8Linear, Linear
 
 ROWS = (64, 256, 1024)  # a large decode batch, a prefill chunk, a large prefill step
 REPEATS = 3
@@ -126,11 +118,7 @@ def probe(shapes: list[Shape]) -> dict[str, dict[int, tuple[float, float]]]:
         for n, k, fmt in shapes:
             rows = max(16, min(n, MAX_PROBE_ELEMS // k))
             w = torch.randn(rows, k, generator=g) / k**0.5
-            packed = (
-                pack_q4_blocks(*quantize_q4_blocks(w), k)
-                if fmt == FMT_Q4
-                else pack_blocks(*quantize_blocks(w), k)
-            )
+            packed = BlockInt8Linear.quantize(Linear(w), 4 if fmt == FMT_Q4 else 8).packed
             by_rows = {}
             for m in ROWS:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)
