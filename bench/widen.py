@@ -91,7 +91,7 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"wrote {a.json.relative_to(ROOT)}")
+    print(f"wrote {a.json}")
 
 
 if __name__ == "__main__":
