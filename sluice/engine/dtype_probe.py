@@ -75,13 +75,13 @@ def choose_dtype(
     shapes = matmul_shapes(config)
     key = _cache_key(shapes, ops, quantization)
     path = (cache_dir or cache_root()) / "dtype_probe.json"
-    cached = _read_cache(path).get(key)
+    cached = read_cache(path).get(key)
     if cached is not None:
         return DtypeChoice(cached["dtype"], cached["ms"], False, "measured before on this machine")
     ms = probe(shapes, ops, quantization)
     fastest = min(ms, key=ms.__getitem__)
     dtype = "float32" if ms["float32"] <= ms[fastest] * (1 + TIE) else fastest
-    _write_cache(path, key, {"dtype": dtype, "ms": ms})
+    write_cache(path, key, {"dtype": dtype, "ms": ms})
     return DtypeChoice(dtype, ms, True, "measured now")
 
 
@@ -137,20 +137,21 @@ def _cache_key(shapes, ops: KernelOps, quantization: str | None) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
+    """A start-up measurement's cache file (this probe's, `widen_probe`'s): key -> result."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _write_cache(path: Path, key: str, value: dict) -> None:
+def write_cache(path: Path, key: str, value: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _read_cache(path)
+        entries = read_cache(path)
         entries[key] = value
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)
     except OSError as e:  # a read-only home still runs; it measures again next start
-        log.warning("could not cache the dtype probe in %s: %s", path, e)
+        log.warning("could not cache what was measured in %s: %s", path, e)

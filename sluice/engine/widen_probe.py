@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .cpu_kernels import cache_root, cpu_signature, require_library
 from .cpu_kernels.block_int8_linear import FMT_Q4, BlockInt8Weight, block_int8_linear, widen_blocks
-from .dtype_probe import MAX_PROBE_ELEMS, _read_cache, _write_cache
+from .dtype_probe import MAX_PROBE_ELEMS, read_cache, write_cache
 from .weights import BlockInt8Linear, Linear
 
 ROWS = (64, 256, 1024)  # a large decode batch, a prefill chunk, a large prefill step
@@ -81,10 +81,10 @@ def choose_widening(
         return WidenChoice({(n, k): int(forced) for n, k, _ in shapes}, {}, f"{ENV}={forced}")
     key = _cache_key(shapes)
     path = (cache_dir or cache_root()) / "widen_probe.json"
-    cached = _read_cache(path).get(key)
+    cached = read_cache(path).get(key)
     if cached is None:
         ms = probe(shapes)
-        _write_cache(path, key, ms)
+        write_cache(path, key, ms)
         reason = "measured now"
     else:
         ms = {name: {int(r): tuple(t) for r, t in times.items()} for name, times in cached.items()}
