@@ -57,6 +57,22 @@ def test_greedy_is_argmax_and_deterministic():
     assert torch.equal(logits, before)  # the caller's logits are untouched
 
 
+def test_greedy_over_a_vocabulary_wide_batch_takes_the_first_maximum():
+    # wide enough that the reduction is split between threads: a tie across the split still
+    # goes to the first index
+    torch.manual_seed(2)
+    logits = torch.randn(64, 49152)
+    logits[5, 100] = logits[5, 40000] = 50.0
+    logits[6, 30000] = logits[6, 49151] = 50.0
+    for mixed in (False, True):
+        params = [SamplingParams(temperature=0)] * 64
+        if mixed:
+            params = [*params[:63], SamplingParams(temperature=1.0)]
+        out = run(logits, params)
+        assert out.token_ids[:63] == logits[:63].argmax(-1).tolist()
+        assert out.token_ids[5:7] == [100, 30000]
+
+
 def test_greedy_rows_in_a_mixed_batch():
     torch.manual_seed(1)
     logits = torch.randn(6, 300)
