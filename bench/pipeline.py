@@ -4,6 +4,7 @@
     .venv/bin/python bench/pipeline.py --quick    # 16 requests, 32..128 tokens, 32 out
     .venv/bin/python bench/pipeline.py --delivery both   # the kafka phase once per delivery mode
     .venv/bin/python bench/pipeline.py --quantization int4   # int4 weights, as stored, both sides
+    .venv/bin/python bench/pipeline.py --repeats 5   # engine, kafka, engine, ...: median ratio
 
 Phases, one after the other on this machine:
   engine   LLMEngine in this process: all requests added at once, stepped until done; TTFT and
@@ -18,6 +19,9 @@ Each phase then sends 8 other prompts of 64 tokens one at a time (4 tokens out):
 latency the Kafka path adds to a request that does not queue behind others. During each timed phase
 the cores other processes kept busy are measured ("others"): on one machine the broker, Redis and
 the benchmark's client take CPU from the engine, which a deployment would not.
+With --repeats N the two phases alternate N times (a fresh engine and a fresh `sluice run` each
+time, the same prompts): on two shared cores one pair's ratio moved between 0.76 and 0.93 from run
+to run, so the ratio reported is the median of the pairs', and the table shows the median pair.
 Prompts are text (seeded random tokens decoded), so both sides tokenize the same strings. Greedy,
 ignore_eos: every request produces exactly --output-len tokens on both sides.
 Writes bench/results/pipeline.json, prints a table, and draws each side's TTFT and TPOT
@@ -274,6 +278,12 @@ def main() -> None:
     )
     parser.add_argument("--bootstrap-servers", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="alternate the phases this many times and report the median ratio",
+    )
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.prompt_min, args.prompt_max, args.output_len = 16, 32, 128, 32
@@ -299,9 +309,16 @@ def main() -> None:
     alone_prompts = make_prompts(
         tokenizer, LATENCY_REQUESTS, LATENCY_PROMPT, LATENCY_PROMPT, args.seed + 1
     )
-    engine = run_engine(args, prompts, alone_prompts)
     modes = ["at-least-once", "exactly-once"] if args.delivery == "both" else [args.delivery]
-    kafkas = [asyncio.run(run_kafka(args, prompts, alone_prompts, mode)) for mode in modes]
+    pairs = []  # (engine, kafkas) of each repeat, interleaved so drifts hit both sides alike
+    for repeat in range(args.repeats):
+        if args.repeats > 1:
+            log(f"repeat {repeat + 1} of {args.repeats}")
+        engine = run_engine(args, prompts, alone_prompts)
+        kafkas = [asyncio.run(run_kafka(args, prompts, alone_prompts, mode)) for mode in modes]
+        pairs.append((engine, kafkas))
+    ratios = [k[0]["throughput_tok_s"] / e["throughput_tok_s"] for e, k in pairs]
+    engine, kafkas = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
     kafka = kafkas[0]
     ratio = kafka["throughput_tok_s"] / engine["throughput_tok_s"]
     added_ttft_ms = (kafka["ttft_p50_s"] - engine["ttft_p50_s"]) * 1000
@@ -316,11 +333,12 @@ def main() -> None:
         "prompt_tokens": prompt_tokens,
         "sides": [engine, *kafkas],
         "throughput_ratio": ratio,
+        "throughput_ratios": ratios,  # one a repeat, in order; `throughput_ratio` is their median
         "added_p50_ttft_ms": added_ttft_ms,
         "alone_p50_ttft_s": alone,
         "added_alone_p50_ttft_ms": added_alone_ms,
         "added_p50_ttft_from_slower_steps_ms": from_slower_steps_ms,
-        "targets": {"throughput_ratio": ">= 0.9", "added_p50_ttft_ms": "<= 20"},
+        "targets": {"throughput_ratio": ">= 0.95", "added_p50_ttft_ms": "<= 20"},
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
@@ -337,7 +355,10 @@ def main() -> None:
             f"{s['others_cores']:>8.2f}"
             f"{alone[s['side']] * 1000:>10.0f}ms"
         )
-    print(f"\nthroughput ratio (Kafka / in-process): {ratio:.3f}   (target >= 0.9)")
+    spread = ""
+    if len(ratios) > 1:
+        spread = f" (median of {len(ratios)}: " + ", ".join(f"{r:.3f}" for r in ratios) + ")"
+    print(f"\nthroughput ratio (Kafka / in-process): {ratio:.3f}{spread}   (target >= 0.95)")
     print(
         f"added p50 TTFT: {added_ttft_ms:+.0f} ms   (target <= 20 ms), "
         "of which slower steps alone explain "
