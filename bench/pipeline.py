@@ -318,7 +318,8 @@ def main() -> None:
         kafkas = [asyncio.run(run_kafka(args, prompts, alone_prompts, mode)) for mode in modes]
         pairs.append((engine, kafkas))
     ratios = [k[0]["throughput_tok_s"] / e["throughput_tok_s"] for e, k in pairs]
-    engine, kafkas = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
+    # the median pair (of an even count, the lower of the middle two)
+    engine, kafkas = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[(len(pairs) - 1) // 2]]
     kafka = kafkas[0]
     ratio = kafka["throughput_tok_s"] / engine["throughput_tok_s"]
     added_ttft_ms = (kafka["ttft_p50_s"] - engine["ttft_p50_s"]) * 1000
