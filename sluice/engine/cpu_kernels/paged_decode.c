@@ -117,7 +117,8 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 /* Whether block b of a sequence lies right after block b - 1 in memory. */
 static inline int follows(const int32_t *table, int b) { return table[b] == table[b - 1] + 1; }
 
-/* One sequence, all its heads, for block_size 16 and D = 16 * nv: a block's K (then V) rows of
+/* One sequence, its KV heads h0 .. h1-1 (all of them, or one where few sequences are spread over
+ * the threads by head), for block_size 16 and D = 16 * nv: a block's K (then V) rows of
  * every KV head are one contiguous run of memory, read once and used by all G queries of each
  * head. kind: what the cache holds (simd.h); an int8 one has one float32 scale per (block, KV head)
  * in k_scale / v_scale ([num_blocks, Hkv]): the K scale multiplies a block's scores, the V scale
@@ -126,8 +127,8 @@ static inline int follows(const int32_t *table, int b) { return table[b] == tabl
  * `stride` floats, kept per whole block from base = first rounded down to the block. */
 static inline __attribute__((always_inline)) void decode_seq_fast(
     const void *q, void *out, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
-    const int32_t *table, int first, int len, int hkv, int g, const int nv, const int kind, const int bf16, float scale,
-    float *qs, float *acc_all, float *scores) {
+    const int32_t *table, int first, int len, int hkv, int h0, int h1, int g, const int nv, const int kind,
+    const int bf16, float scale, float *qs, float *acc_all, float *scores) {
     const int d = 16 * nv, hq = hkv * g;
     const int64_t block_elems = (int64_t)FAST_BLOCK * d;
     const int64_t elem_bytes = cache_elem_bytes(kind);
@@ -138,7 +139,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
     float widened[FAST_BLOCK * 128]; /* a widened block of one head, read by all its queries */
 
     if (!(HAVE_BF16_DOT && kind == CACHE_BF16)) /* that path reads the bfloat16 queries as they are */
-        for (int r = 0; r < hq; r++)
+        for (int r = h0 * g; r < h1 * g; r++)
             for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
 
     const int64_t block_bytes = hkv * block_elems * elem_bytes; /* all heads of a block: one run */
@@ -149,7 +150,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
         const int64_t kb = (int64_t)table[b] * hkv * block_elems;
         if (b + ahead < b1 && !follows(table, b + ahead))
             prefetch_bytes((const char *)k_cache + (int64_t)table[b + ahead] * block_bytes, block_bytes);
-        for (int h = 0; h < hkv; h++) {
+        for (int h = h0; h < h1; h++) {
 #if HAVE_BF16_DOT
             if (kind == CACHE_BF16) {
                 /* bfloat16 queries against the bfloat16 block as stored; the scale comes after */
@@ -186,7 +187,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
 
     /* softmax over positions first .. len-1 (rows of the first and last block outside are unused);
      * the outputs start at zero and are divided by the sums at the end */
-    for (int r = 0; r < hq; r++) {
+    for (int r = h0 * g; r < h1 * g; r++) {
         float *s = scores + r * stride;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -208,7 +209,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
             prefetch_bytes((const char *)v_cache + (int64_t)table[b + ahead] * block_bytes, block_bytes);
         const int t0 = b == b0 ? lo : 0;
         const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
-        for (int h = 0; h < hkv; h++) {
+        for (int h = h0; h < h1; h++) {
             /* bfloat16 V rows are widened in registers as read; int8 blocks once, into `widened` */
             const void *v = kind == CACHE_BF16 ? (const void *)((const uint16_t *)v_cache + vb + h * block_elems)
                                                : (const void *)block_as_float(v_cache, vb + h * block_elems,
@@ -218,7 +219,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
                            kind == CACHE_BF16, t0, t1, g, nv, quantized, vs);
         }
     }
-    for (int r = 0; r < hq; r++) {
+    for (int r = h0 * g; r < h1 * g; r++) {
         const float c_r = qs[r];
         for (int c = 0; c < nv; c++) store16_act(out, r * d + 16 * c, load16(acc_all + r * d + 16 * c) * c_r, bf16);
     }
@@ -246,9 +247,14 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
     const size_t per_thread = scores_len + 2 * (size_t)hq * d;
     float *scratch = malloc(sizeof(float) * per_thread * num_threads);
     if (scratch == NULL) return -1;
-    /* one sequence per work item, all its heads: its blocks are then read front to back */
+    /* One sequence per work item, all its heads: its blocks are then read front to back. With fewer
+     * sequences than two a thread (a single request decoding), one (sequence, KV head) a work item
+     * instead, so every thread has a share; a head's arithmetic is the same either way. */
+    const int per_seq = n < 2 * num_threads ? hkv : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int i = 0; i < n; i++) {
+    for (int item = 0; item < n * per_seq; item++) {
+        const int i = item / per_seq;
+        const int h0 = per_seq == 1 ? 0 : item % per_seq, h1 = per_seq == 1 ? hkv : h0 + 1;
         float *scores = scratch + per_thread * omp_get_thread_num();
         float *qs = scores + scores_len, *acc = qs + (size_t)hq * d;
         const int len = seq_lens[i];
@@ -257,11 +263,11 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
         void *oi = (char *)out + tokens[i] * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
 #define FAST(NV, KIND, BF16)                                                                                       \
-    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, g, NV, KIND, BF16, scale, qs, \
-                    acc, scores)
+    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, h0, h1, g, NV, KIND, BF16, \
+                    scale, qs, acc, scores)
         if (!fast)
             /* query heads h*G .. h*G+G-1 are consecutive [D] rows of the token's q (and out) */
-            for (int h = 0; h < hkv; h++)
+            for (int h = h0; h < h1; h++)
                 decode_item((const float *)qi + (int64_t)h * g * d, (float *)oi + (int64_t)h * g * d,
                             (const float *)k_cache, (const float *)v_cache, table, first, len, hkv, h, g, d, bs,
                             scale, scores, qs);

@@ -131,6 +131,35 @@ def test_int8_needs_the_vectorized_shape():
     assert not supports(torch.zeros(3, 6, 80), torch.zeros(4, 2, 16, 80, dtype=torch.int8))
 
 
+@pytest.mark.parametrize(
+    "hkv,group,d,dtype,quant,window",
+    [
+        (3, 3, 64, torch.float32, None, None),
+        (3, 3, 64, torch.bfloat16, None, None),
+        (3, 3, 64, torch.bfloat16, torch.int8, 37),
+        (2, 3, 80, torch.float32, None, None),  # the generic path
+    ],
+)
+def test_a_lone_sequence_split_by_head_gives_the_bits_it_gets_in_a_batch(
+    hkv, group, d, dtype, quant, window
+):
+    """A single decoding sequence is spread over the threads a KV head a work item (a batch, one
+    sequence a work item): each head's arithmetic is the same, so its output is, to the bit."""
+    lens = [300, 33, 1000, 16, 5, 700]
+    args, _, _ = build_case(lens, hkv, group, d, 16, dtype, quant=quant, window=window, seed=d)
+    q, k_cache, v_cache, table, seq_lens, scale, k_scale, v_scale, window = args
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # six sequences on one thread: a work item each
+        batch = run_native(args)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(len(lens)):
+        one = slice(i, i + 1)
+        alone = (q[one], k_cache, v_cache, table[one], seq_lens[one], scale, k_scale, v_scale)
+        assert torch.equal(run_native((*alone, window)), batch[one]), f"sequence {i}"
+
+
 def test_one_long_context():
     args, seen, _ = build_case([4100], 1, 3, 64, 16, torch.float32, seed=5)
     check(args, seen)
