@@ -2,13 +2,14 @@
 
 The native family runs a step's whole stack of layers in one C call where every matmul weight is
 packed for its kernels (`cpu_kernels/decoder_layers.c`: int8 or int4 weights). This times one
-request (a 40-token prompt, then 64 greedy tokens) both ways in one engine, the two interleaved
-round by round (this machine's speed drifts), and reports the medians and their ratio, and each
-against the weight-read floor: the bytes of weights a step reads (every matrix as stored, norms;
-of an untied embedding table only a row) over this machine's memory read rate, measured here (a
-512 MiB sum on the same threads, median of 8).
+request (a 40-token prompt by default, then 64 greedy tokens) both ways in one engine, the two
+interleaved round by round (this machine's speed drifts), and reports the medians and their
+ratio, and each against the weight-read floor: the bytes of weights a step reads (every matrix as
+stored, norms; of an untied embedding table only a row) over this machine's memory read rate,
+measured here (a 512 MiB sum on the same threads, median of 8).
 
     .venv/bin/python bench/layer_stack.py --quantization int4 --rounds 6
+    .venv/bin/python bench/layer_stack.py --quantization int4 --prompt-len 2000   # long context
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from sluice.engine.weights import BlockInt8Embedding  # noqa: E402
 MODES = ("one call", "layer by layer")
 
 
-def decode_ms_per_token(engine: LLMEngine, request: int, output_len: int) -> float:
+def decode_ms_per_token(
+    engine: LLMEngine, request: int, output_len: int, prompt_len: int = 40
+) -> float:
     """ms per decode step of one request, its prefill left out."""
     params = SamplingParams(max_tokens=output_len + 1, temperature=0.0, ignore_eos=True)
-    prompt = [100 + (request * 7 + j) % 3000 for j in range(40)]
+    prompt = [100 + (request * 7 + j) % 3000 for j in range(prompt_len)]
     engine.add_request(f"r{request}", prompt_token_ids=prompt, params=params)
-    engine.step()  # the prefill and the first token
+    engine.step()  # the prefill and the first token (--prompt-len fits one step's budget)
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
         engine.step()
@@ -81,6 +84,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=40,
+        help="tokens of context before the decode (attention's share grows with it; <= 2048)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -91,12 +100,16 @@ def main() -> None:
     one_call = NativeOps.run_layers
     run_layers = {MODES[0]: one_call, MODES[1]: lambda self, *a: None}
     times: dict[str, list[float]] = {m: [] for m in MODES}
-    decode_ms_per_token(engine, -1, args.output_len)  # warm-up
+    if not 1 <= args.prompt_len <= config.max_num_batched_tokens:
+        p.error(f"--prompt-len must be 1..{config.max_num_batched_tokens} (one prefill step)")
+    decode_ms_per_token(engine, -1, args.output_len, args.prompt_len)  # warm-up
     for r in range(args.rounds):
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
             NativeOps.run_layers = run_layers[mode]  # type: ignore[method-assign]
             times[mode].append(
-                decode_ms_per_token(engine, 2 * r + len(times[mode]), args.output_len)
+                decode_ms_per_token(
+                    engine, 2 * r + len(times[mode]), args.output_len, args.prompt_len
+                )
             )
             print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1]:.2f} ms/token", flush=True)
     NativeOps.run_layers = one_call  # type: ignore[method-assign]
@@ -107,8 +120,8 @@ def main() -> None:
     cpu = cpu_model()
     print(
         f"\n{cpu}, {args.threads} threads, dot path {dot_path()}; {args.quantization} weights, "
-        f"{args.dtype} activations, batch 1; weight-read floor {step_bytes / 1e6:.1f} MB a "
-        f"token / {read_gb_s:.1f} GB/s = {floor_ms:.2f} ms"
+        f"{args.dtype} activations, batch 1 after a {args.prompt_len}-token prompt; weight-read "
+        f"floor {step_bytes / 1e6:.1f} MB a token / {read_gb_s:.1f} GB/s = {floor_ms:.2f} ms"
     )
     print("| layers | ms/token (median) | x one call | x floor |\n|---|---|---|---|")
     for m in MODES:
@@ -125,6 +138,7 @@ def main() -> None:
                 "dot_path": dot_path(),
                 "quantization": args.quantization,
                 "dtype": args.dtype,
+                "prompt_len": args.prompt_len,
                 "ms_per_token": times,
                 "median": medians,
                 "weight_bytes_per_step": step_bytes,
