@@ -250,11 +250,11 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
     /* One sequence per work item, all its heads: its blocks are then read front to back. With fewer
      * sequences than two a thread (a single request decoding), one (sequence, KV head) a work item
      * instead, so every thread has a share; a head's arithmetic is the same either way. */
-    const int per_seq = n < 2 * num_threads ? hkv : 1;
+    const int items_per_seq = n < 2 * num_threads ? hkv : 1;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int item = 0; item < n * per_seq; item++) {
-        const int i = item / per_seq;
-        const int h0 = per_seq == 1 ? 0 : item % per_seq, h1 = per_seq == 1 ? hkv : h0 + 1;
+    for (int item = 0; item < n * items_per_seq; item++) {
+        const int i = item / items_per_seq, h0 = item % items_per_seq;
+        const int h1 = items_per_seq == 1 ? hkv : h0 + 1;
         float *scores = scratch + per_thread * omp_get_thread_num();
         float *qs = scores + scores_len, *acc = qs + (size_t)hq * d;
         const int len = seq_lens[i];
