@@ -158,8 +158,7 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str], delivery
         "--delivery",
         delivery,
     ]
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
+    cmd += ["--quantization", args.quantization or "none"]  # as the engine side runs
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:

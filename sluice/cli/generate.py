@@ -40,8 +40,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument(
         "--quantization",
-        choices=["int8", "int4"],
-        help="int8: weights as int8 codes, about 4x smaller than float32 (on the native CPU "
+        choices=["auto", "none", "int8", "int4"],
+        default="auto",
+        help="auto (default): as the model file stores its layers (a 4-bit GGUF such as the "
+        "default model's Q4_1 runs int4, a wider one int8, on the native CPU kernels; float "
+        "files and other kernels run unquantized); none: the weights dequantized to --dtype; "
+        "int8: weights as int8 codes, about 4x smaller than float32 (on the native CPU "
         "kernels in blocks of 32, multiplied as stored); int4: 4-bit codes in blocks of 32 with "
         "a scale and a minimum (GGUF's Q4_1; native CPU kernels), the LM head int8",
     )
@@ -84,7 +88,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
-        quantization=args.quantization,
+        quantization=None if args.quantization == "none" else args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         kernels=args.kernels,
         deterministic=args.deterministic,

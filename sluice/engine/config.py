@@ -163,7 +163,7 @@ def normalize_rope_scaling(params: dict, rope_type: str | None, source: str) -> 
     return out
 
 
-QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATIONS = (None, "int8", "int4", "auto")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
@@ -187,7 +187,9 @@ class EngineConfig:
     kernels: str = "auto"
     # None | "int8": weights as int8 codes (per output channel; in blocks of 32 on the native
     # kernels, which multiply them as stored) | "int4": 4-bit codes in blocks of 32 with a scale
-    # and a minimum (GGUF's Q4_1; native kernels only)
+    # and a minimum (GGUF's Q4_1; native kernels only) | "auto": as the file stores its layers
+    # (`stored_quantization`: int4 for a 4-bit GGUF, int8 for a wider one, None for floats); the
+    # engine's config then holds the one chosen
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3, CUDA)
     # Tokens that depend on the request alone, not on the batch, chunking, cache or threads

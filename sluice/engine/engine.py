@@ -50,13 +50,11 @@ from sluice.engine.sampler import Sampler, TokenLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
 from sluice.engine.sequence import Sequence, SequenceStatus
+from sluice.engine.stored_quantization import quantization_as_stored
 from sluice.engine.structured import Grammars
 from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# GGUF types whose values int4 blocks hold (scale and minimum per block of 32 or finer)
-FOUR_BIT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 
 
 @dataclass
@@ -99,7 +97,7 @@ class LLMEngine:
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
         quantization = self.config.quantization
-        if quantization is not None and quantization not in self.ops.quantizations:
+        if quantization not in (None, "auto") and quantization not in self.ops.quantizations:
             raise ConfigError(
                 f"the {self.ops.name} kernels do not run quantization {quantization!r}",
                 field="quantization",
@@ -123,6 +121,8 @@ class LLMEngine:
         shards = None if workers is None else workers.shard_plan(self.model_config)
         # the model as this process runs it: all of it, or rank 0's share of its heads and columns
         rank_config = self.model_config if shards is None else shards.rank_config(0)
+        if self.config.quantization == "auto":
+            self.config = replace(self.config, quantization=self._choose_quantization())
         if self.config.dtype == "auto":
             self.config = replace(self.config, dtype=self._choose_dtype(rank_config))
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
@@ -251,16 +251,24 @@ class LLMEngine:
         )
         return choice.dtype
 
+    def _choose_quantization(self) -> str | None:
+        """`quantization="auto"`: the file's layers quantized as it stores them, and logged."""
+        choice = quantization_as_stored(self.loaded.stored_formats, self.ops)
+        log.info("quantization auto: %s (%s)", choice.quantization or "none", choice.reason)
+        return choice.quantization
+
     def _hint_stored_quantization(self) -> None:
         """A file whose matrices are quantized runs dequantized unless asked otherwise: say which
         `--quantization` multiplies them as stored (what a llama.cpp user expects of a GGUF)."""
         formats = self.loaded.stored_formats
         if self.config.quantization or not formats or self.ops.name != "native":
             return
-        suggested = "int4" if set(formats) <= FOUR_BIT_FORMATS else "int8"
+        suggested = quantization_as_stored(formats, self.ops).quantization
+        if suggested is None:
+            return
         log.info(
             "%s stores its layers' matrices as %s; they run dequantized to %s here. "
-            "--quantization %s multiplies them quantized, as stored (less memory, faster a token: "
+            "--quantization %s (or auto) multiplies them quantized, as stored (less memory, faster a token: "
             "docs/ENGINE.md)",
             self.loaded.source,
             "/".join(formats),

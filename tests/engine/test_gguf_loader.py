@@ -380,6 +380,59 @@ def test_the_file_says_how_it_stored_its_layers_and_the_engine_suggests_running_
     assert hint(kernels="native", quantization="int4") == []
 
 
+def test_quantization_auto_runs_a_files_layers_as_it_stores_them(smollm2, tmp_path, caplog):
+    """`quantization="auto"` (the CLI's default): the default file's Q4_1 layers run as 4-bit
+    blocks on the native kernels, the same engine `--quantization int4` builds; a float file, or
+    kernels that multiply no quantized blocks, run unquantized. The start log says which and
+    why."""
+    import logging
+
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8
+    from sluice.engine.engine import LLMEngine
+    from sluice.engine.sampling_params import SamplingParams
+
+    def engine(loaded=None, **config) -> tuple[LLMEngine, str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sluice.engine.engine"):
+            built = LLMEngine(config=EngineConfig(kv_cache_bytes=8 << 20, **config), loaded=loaded)
+        said = [r.getMessage() for r in caplog.records if "quantization auto" in r.message]
+        return built, " ".join(said)
+
+    auto, said = engine(kernels="native", quantization="auto")
+    assert auto.config.quantization == "int4" and "int4 (" in said and "Q4_1" in said
+    layer = auto.runner.model.layers[0]
+    assert layer.qkv.packed.fmt == FMT_Q4 and layer.down.packed.fmt == FMT_Q4
+    assert auto.runner.model.lm_head.packed.fmt == FMT_Q8  # the head stays int8, as stored
+    assert auto.provenance.quantization == "int4"
+    explicit, _ = engine(kernels="native", quantization="int4")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = ["The capital of France is"]
+    tokens = [e.generate(prompt, params)[0].token_ids for e in (auto, explicit)]
+    assert tokens[0] == tokens[1]
+
+    torch_kernels, said = engine(kernels="torch", quantization="auto")
+    assert torch_kernels.config.quantization is None and "torch kernels" in said
+    write_gguf(tmp_path / "m.gguf", build("llama"), "llama", f16=True)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    floats, said = engine(loaded, kernels="native", quantization="auto")
+    assert floats.config.quantization is None and "as floats" in said
+
+
+def test_a_file_with_layers_wider_than_4_bits_runs_int8():
+    """Q4_K_M files keep some layers in Q6_K: int4 would lose bits those hold, so int8 runs
+    every layer; Q8_0 alone is int8 too."""
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+    from sluice.engine.stored_quantization import quantization_as_stored
+
+    native = resolve_kernel_ops("native", "cpu")
+    assert quantization_as_stored(("Q4_0", "Q4_K"), native).quantization == "int4"
+    mixed = quantization_as_stored(("Q4_K", "Q6_K"), native)
+    assert mixed.quantization == "int8" and "Q6_K" in mixed.reason
+    assert quantization_as_stored(("Q8_0",), native).quantization == "int8"
+    assert quantization_as_stored((), native).quantization is None
+
+
 def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
     """transformers' GGUF path (what from_pretrained(dir, gguf_file=...) runs; from_pretrained
     itself also wants accelerate) dequantizes the same bytes with the same numpy code, so the
@@ -488,3 +541,19 @@ def test_gguf_missing_and_misshapen_tensor(tmp_path):
         and "[64, 95]" in msg
         and "[64, 96]" in msg
     )
+
+
+def test_the_cli_runs_a_file_as_stored_unless_told_none():
+    import argparse
+
+    from sluice.cli.generate import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+
+    def quantization(*flags: str) -> str | None:
+        return engine_config_from_args(parser.parse_args(list(flags))).quantization
+
+    assert quantization() == "auto"
+    assert quantization("--quantization", "none") is None
+    assert quantization("--quantization", "int8") == "int8"

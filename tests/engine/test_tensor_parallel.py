@@ -209,6 +209,7 @@ def test_smollm2_at_tp2_gives_tp1s_greedy_tokens(smollm2_tp1):
 def test_sluice_generate_at_tp2_gives_tp1s_greedy_tokens(smollm2_tp1):
     result = subprocess.run(
         [sys.executable, "-m", "sluice", "generate", "--json", "--dtype", "float32"]
+        + ["--quantization", "none"]
         + ["--tensor-parallel-size", "2", "--max-num-batched-tokens", "8", "--kv-cache-mb", "64"]
         + ["--max-tokens", "8", "--ignore-eos", *PROMPTS],
         capture_output=True,

@@ -23,8 +23,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from sluice.connectors.processes import pid_alive
 from sluice.connectors.settings import StackSettings
 
-# float32 as the in-process engines the tests compare with (the CLI's default dtype is measured)
+# float32 and unquantized, as the in-process engines the tests compare with (the CLI's default
+# dtype is measured, and its default quantization runs the default GGUF's 4-bit layers as stored)
 ENGINE_FLAGS = ["--kv-cache-mb", "256", "--max-num-batched-tokens", "512", "--dtype", "float32"]
+ENGINE_FLAGS += ["--quantization", "none"]
 
 
 def new_prefix() -> str:

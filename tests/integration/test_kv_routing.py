@@ -124,6 +124,8 @@ async def test_kv_routing_finds_cached_prefixes(bootstrap_servers, tmp_path):
             role,
             "--dtype",
             "float32",
+            "--quantization",
+            "none",
             "--kv-cache-mb",
             str(KV_CACHE_MB),
             *extra,
