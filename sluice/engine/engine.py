@@ -268,8 +268,8 @@ class LLMEngine:
             return
         log.info(
             "%s stores its layers' matrices as %s; they run dequantized to %s here. "
-            "--quantization %s (or auto) multiplies them quantized, as stored (less memory, faster a token: "
-            "docs/ENGINE.md)",
+            "--quantization %s (or auto) multiplies them quantized, as stored (less memory, "
+            "faster a token: docs/ENGINE.md)",
             self.loaded.source,
             "/".join(formats),
             self.config.dtype,
