@@ -142,12 +142,15 @@ class LLMEngine:
             quantization=self.config.quantization,
             ops=self.ops,
             source=self.loaded.source,
+            # (a rank's share is cut from the values: the file's blocks are whole matrices)
+            int4_blocks=self.loaded.int4_blocks if shards is None else None,
         )
         if workers is None and self.config.quantization and self.ops.name == "native":
             self._choose_widening(model_obj)
         self._hint_stored_quantization()
         weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
+        self.loaded.int4_blocks = {}
         if workers is None:
             self.runner = ModelRunner(model_obj, rank_config, self.config, num_blocks)
         else:

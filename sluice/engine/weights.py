@@ -16,6 +16,7 @@ own way instead (`KernelOps.linear`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    from .loader.gguf_blocks import Int4Blocks
     from .model import CausalLM, DecoderLayer
 
 
@@ -152,6 +154,19 @@ class BlockInt8Linear(nn.Module):
             return cls(blocks.pack_q4_blocks(*blocks.quantize_q4_blocks(weight), k), linear.bias)
         return cls(blocks.pack_blocks(*blocks.quantize_blocks(weight), k), linear.bias)
 
+    @classmethod
+    def from_int4_blocks(cls, blocks: Int4Blocks, linear: Linear) -> BlockInt8Linear:
+        """The linear's matrix as 4-bit blocks a file stored (the same values, as the file has
+        them, rather than quantized again)."""
+        from .cpu_kernels import block_int8_linear as packing
+
+        n, k = linear.weight.shape
+        if tuple(blocks.codes.shape) != (n, k):
+            raise ValueError(
+                f"stored blocks of {tuple(blocks.codes.shape)} for a [{n}, {k}] matrix"
+            )
+        return cls(packing.pack_q4_blocks(blocks.codes, blocks.d, blocks.m, k), linear.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .cpu_kernels.block_int8_linear import block_int8_linear
 
@@ -238,11 +253,13 @@ def transform_weights(
     quantization: str | None,
     layout: str = "onednn",
     int8_format: str = "per-channel",
+    stored: Mapping[tuple[int, str], Int4Blocks] | None = None,
 ) -> None:
     """What the engine does to a built model:
     - "int8" quantizes it per output channel (`quantize_int8`), or in blocks of 32
       (`quantize_in_blocks`) where its kernels read int8 that way;
-    - "int4" quantizes it in 4-bit blocks of 32 (the native kernels only);
+    - "int4" quantizes it in 4-bit blocks of 32 (the native kernels only), or takes a
+      projection's blocks as a file stored them (`stored`: by (layer, projection));
     - None packs its matmul weights in the layout its kernels read: for oneDNN where that is
       available (`pack_for_onednn`), for the fixed-order matmul (`pack_for_fixed_order`), or not
       at all ("plain")."""
@@ -255,7 +272,7 @@ def transform_weights(
             "quantization 'int4' runs on the native CPU kernels only", field="quantization"
         )
     if quantization in ("int8", "int4") and int8_format == "blocks":
-        quantize_in_blocks(model, 4 if quantization == "int4" else 8)
+        quantize_in_blocks(model, 4 if quantization == "int4" else 8, stored)
     elif quantization == "int8":
         quantize_int8(model)
     elif quantization is None:
@@ -317,20 +334,30 @@ def quantize_int8(model: CausalLM) -> None:
     model.lm_head = Int8Linear(q, scale, None) if tied else Int8Linear.quantize(head)
 
 
-def quantize_in_blocks(model: CausalLM, bits: int = 8) -> None:
+def quantize_in_blocks(
+    model: CausalLM, bits: int = 8, stored: Mapping[tuple[int, str], Int4Blocks] | None = None
+) -> None:
     """Codes in blocks of 32 wherever a matrix is multiplied, multiplied as stored by the native
     kernel: the four projections of every layer in `bits` (8 or 4), the LM head in int8 (as GGUF
     files keep it: the vocabulary matrix is the most sensitive). A tied head's embedding reads its
     rows from the head's matrix (`BlockInt8Embedding`); an untied one keeps int8 rows with one
-    scale each (`Int8Embedding`). Norm weights stay in the model dtype."""
+    scale each (`Int8Embedding`). Norm weights stay in the model dtype. In 4 bits, a projection
+    in `stored` (by layer and projection name) takes those blocks as they are."""
     from .kernels.int8_linear import quantize_int8 as quantize
 
     head, embed = model.lm_head, model.embed_tokens
     if not isinstance(head, Linear) or not isinstance(embed, Embedding):
         raise RuntimeError("quantize before packing: packed weights cannot be quantized")
-    for layer in _layers(model):
+    own = stored if bits == 4 and stored else {}
+    for n, layer in enumerate(_layers(model)):
         for name in PROJECTIONS:
-            setattr(layer, name, BlockInt8Linear.quantize(getattr(layer, name), bits))
+            linear, blocks = getattr(layer, name), own.get((n, name))
+            quantized = (
+                BlockInt8Linear.quantize(linear, bits)
+                if blocks is None
+                else BlockInt8Linear.from_int4_blocks(blocks, linear)
+            )
+            setattr(layer, name, quantized)
     tied = head.weight is embed.weight
     model.lm_head = blocked = BlockInt8Linear.quantize(head)
     dtype = embed.weight.dtype

@@ -557,3 +557,75 @@ def test_the_cli_runs_a_file_as_stored_unless_told_none():
     assert quantization() == "auto"
     assert quantization("--quantization", "none") is None
     assert quantization("--quantization", "int8") == "int8"
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_weights_keep_the_files_own_4_bit_blocks(name, tmp_path):
+    """A llama GGUF whose layer matrices are stored as `name`: with int4 weights each projection
+    holds the file's values (decoded by the float64 reference decoders above from the bytes, Q/K
+    rows unpermuted, fused in order): exactly for Q4_0 and Q4_1, and for Q4_K within float16
+    rounding of each block's d sc and dmin mn (products, so not float16 themselves). Quantizing
+    the values again, as a matrix without stored blocks is, puts Q4_0's and Q4_K's blocks on other
+    grids: further from the file."""
+    from sluice.engine.cpu_kernels.block_int8_linear import widen_blocks
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+    from sluice.engine.loader.gguf_blocks import Int4Blocks
+    from sluice.engine.loader.tensor_names import PROJECTION_PARTS
+    from sluice.engine.weights import BlockInt8Linear, Linear
+
+    qtype = Q[name]
+    rng = np.random.default_rng(1)
+    hf = build("llama", hidden_size=256, intermediate_size=256)
+    layers = hf.config.num_hidden_layers
+    raws: dict[str, np.ndarray] = {}  # by HF name
+
+    def stored(hf_name: str):
+        def raw_of(t):
+            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0]
+            return raws[hf_name], qtype
+
+        return raw_of
+
+    override = {
+        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(f"model.layers.{i}.{part}.weight")
+        for i in range(layers)
+        for parts in PROJECTION_PARTS.values()
+        for part in parts
+    }
+    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    c = loaded.config
+    assert loaded.stored_formats == (name,) and len(loaded.int4_blocks) == 7 * layers
+    model = build_model(
+        c, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
+        int4_blocks=loaded.int4_blocks,
+    )  # fmt: skip
+
+    def reference(hf_name: str) -> np.ndarray:
+        raw = np.ascontiguousarray(raws[hf_name]).view(np.uint8).reshape(-1)
+        w = reference_dequantize(raw, qtype, tuple(loaded.tensors[hf_name].shape))
+        if "q_proj" in hf_name:
+            w = unpermute_qk(w, c.num_attention_heads)
+        elif "k_proj" in hf_name:
+            w = unpermute_qk(w, c.num_key_value_heads)
+        return w
+
+    for i, layer in enumerate(model.layers):
+        for projection, parts in PROJECTION_PARTS.items():
+            names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            want = np.concatenate([reference(n) for n in names])
+            module = getattr(layer, projection)
+            err = np.abs(widen_blocks(module.packed, torch.float32).double().numpy() - want)
+            float32_part = 1e-6 * np.abs(want).max()
+            if name == "Q4_K":
+                blocks = Int4Blocks.concat([loaded.int4_blocks[n] for n in names])
+                d, m = (
+                    np.repeat(t.double().abs().numpy(), 32, axis=1) for t in (blocks.d, blocks.m)
+                )
+                assert (err <= (15 * d + m) * 2**-11 + float32_part).all(), err.max()
+            else:
+                assert err.max() <= float32_part, err.max()
+            again = BlockInt8Linear.quantize(Linear(torch.from_numpy(want).float()), 4)
+            redone = np.abs(widen_blocks(again.packed, torch.float32).double().numpy() - want)
+            if name != "Q4_1":  # (llama.cpp's Q4_1 blocks span 0..15: found again exactly)
+                assert redone.max() > 4 * err.max()

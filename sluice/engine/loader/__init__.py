@@ -7,7 +7,8 @@ tensors (`load_model`) -> a model to run (`build_model`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelError
+from .gguf_blocks import Int4Blocks
 
 if TYPE_CHECKING:
     from ..kernel_ops import KernelOps
@@ -33,6 +35,9 @@ class LoadedModel:
     # the quantized types the file stored the decoder layers' matrices in (GGUF's, such as
     # "Q4_1"); empty where they were float tensors
     stored_formats: tuple[str, ...] = ()
+    # the layers' 4-bit matrices as the file's own blocks (`gguf_blocks`), by HF name: int4
+    # weights are built from these rather than quantized again from the values
+    int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -107,11 +112,13 @@ def build_model(
     quantization: str | None = None,
     ops: KernelOps | None = None,
     source: str = "state dict",
+    int4_blocks: Mapping[str, Int4Blocks] | None = None,
 ) -> CausalLM:
     """The model, ready to run, from HF-named tensors (cast and moved; the dict is not changed):
     shapes checked, weights built, then transformed as the engine runs them (quantized when
     `quantization` is "int8", else packed in the layout the kernel family reads:
-    `transform_weights`)."""
+    `transform_weights`). With int4 weights, a projection whose matrices all come with the file's
+    own 4-bit blocks (`int4_blocks`, by HF name) is built from those."""
     from ..config import torch_dtype
     from ..model import CausalLM
     from ..weights import cast_unquantized, transform_weights
@@ -121,13 +128,31 @@ def build_model(
     target = torch_dtype(dtype)
     built = _quantized_from(tensors, target) if quantization else target
     model = CausalLM(config, model_weights(config, tensors, built, device), ops).eval()
+    stored = _stored_projections(config, int4_blocks) if quantization == "int4" else None
     if ops is None:
-        transform_weights(model, quantization)
+        transform_weights(model, quantization, stored=stored)
     else:
-        transform_weights(model, quantization, ops.weight_layout, ops.int8_format)
+        transform_weights(model, quantization, ops.weight_layout, ops.int8_format, stored=stored)
     if built != target:
         cast_unquantized(model, target)
     return model
+
+
+def _stored_projections(
+    config: ModelConfig, blocks: Mapping[str, Int4Blocks] | None
+) -> dict[tuple[int, str], Int4Blocks]:
+    """(layer, projection) -> the file's blocks of its stacked matrices, where all have them."""
+    from .tensor_names import PROJECTION_PARTS
+
+    out: dict[tuple[int, str], Int4Blocks] = {}
+    if not blocks:
+        return out
+    for n in range(config.num_hidden_layers):
+        for projection, parts in PROJECTION_PARTS.items():
+            names = [f"model.layers.{n}.{part}.weight" for part in parts]
+            if all(name in blocks for name in names):
+                out[(n, projection)] = Int4Blocks.concat([blocks[name] for name in names])
+    return out
 
 
 def _quantized_from(tensors: dict[str, torch.Tensor], target: torch.dtype) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format): hyperparameters from metadata, tensors dequantized with numpy.
+"""GGUF files (llama.cpp's format): hyperparameters from metadata, tensors dequantized with numpy,
+and the layers' 4-bit matrices also kept as their own blocks (`gguf_blocks`) for int4 weights.
 
 GGUF names map to HF names; llama-family files store the Q and K projection rows permuted for
 llama.cpp's interleaved rotary, which `unpermute_qk` undoes (Qwen2 files use the HF layout already).
@@ -15,6 +16,7 @@ import torch
 
 from ..config import ModelConfig, torch_dtype
 from ..errors import ModelError
+from .gguf_blocks import FOUR_BIT_TYPES, int4_blocks
 from .tensor_names import check_tensors
 
 # Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
@@ -209,21 +211,31 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     config, gguf_arch = read_config(reader, source)
     target = torch.float32 if dtype is None else torch_dtype(dtype)
 
-    tensors, formats = {}, set()
+    tensors, formats, blocks = {}, set(), {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
+        w = dequantize(t, source)
+        stored = None
         if t.name.startswith("blk.") and name.endswith("_proj.weight"):
             formats.add(t.tensor_type.name)
-        w = dequantize(t, source)
+            if t.tensor_type.name in FOUR_BIT_TYPES:
+                stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, w.shape)
         if gguf_arch in PERMUTED_QK:
+            heads = None
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                w = unpermute_qk(w, config.num_attention_heads)
+                heads = config.num_attention_heads
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                w = unpermute_qk(w, config.num_key_value_heads)
+                heads = config.num_key_value_heads
+            if heads is not None:
+                w = unpermute_qk(w, heads)
+                if stored is not None:
+                    stored = stored.rows_permuted(lambda a, h=heads: unpermute_qk(a, h))
         # copy: F32 tensors are views of the read-only memory map
         tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(target)
+        if stored is not None:
+            blocks[name] = stored
     check_tensors(config, tensors, source)
 
     tokenizer = None
@@ -238,4 +250,5 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         tokenizer=tokenizer,
         source=source,
         stored_formats=quantized,
+        int4_blocks=blocks,
     )

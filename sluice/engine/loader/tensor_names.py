@@ -73,6 +73,16 @@ def check_tensors(
             )
 
 
+# The HF matrices that each of a decoder layer's Linear modules (`weights.PROJECTIONS`) stacks by
+# rows, under "model.layers.N."
+PROJECTION_PARTS = {
+    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
 def model_weights(
     config: ModelConfig,
     tensors: dict[str, torch.Tensor],
@@ -98,11 +108,11 @@ def model_weights(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
                 post_attention_norm=get(p + "post_attention_layernorm.weight"),
-                qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv=cat(*(f"{p}{part}.weight" for part in PROJECTION_PARTS["qkv"])),
                 qkv_bias=qkv_bias,
                 o=get(a + "o_proj.weight"),
                 o_bias=get(a + "o_proj.bias") if config.o_proj_bias else None,
-                gate_up=cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                gate_up=cat(*(f"{p}{part}.weight" for part in PROJECTION_PARTS["gate_up"])),
                 down=get(p + "mlp.down_proj.weight"),
             )
         )
