@@ -42,9 +42,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         choices=["auto", "none", "int8", "int4"],
         default="auto",
-        help="auto (default): as the model file stores its layers (a 4-bit GGUF such as the "
-        "default model's Q4_1 runs int4, a wider one int8, on the native CPU kernels; float "
-        "files and other kernels run unquantized); none: the weights dequantized to --dtype; "
+        help="auto (default): as the model file stores its layers (a GGUF with 4-bit layers, "
+        "such as the default model's Q4_1, runs int4 and its wider matrices int8; one with only "
+        "wider types int8; on the native CPU kernels; float files and other kernels run "
+        "unquantized); none: the weights dequantized to --dtype; "
         "int8: weights as int8 codes, about 4x smaller than float32 (on the native CPU "
         "kernels in blocks of 32, multiplied as stored); int4: 4-bit codes in blocks of 32 with "
         "a scale and a minimum (GGUF's Q4_1; native CPU kernels), the LM head int8",

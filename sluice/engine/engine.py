@@ -142,8 +142,10 @@ class LLMEngine:
             quantization=self.config.quantization,
             ops=self.ops,
             source=self.loaded.source,
-            # (a rank's share is cut from the values: the file's blocks are whole matrices)
+            # (a rank's share is cut from the values, as the other ranks': the file's blocks are
+            # whole matrices)
             int4_blocks=self.loaded.int4_blocks if shards is None else None,
+            stored_types=self.loaded.stored_types if shards is None else None,
         )
         if workers is None and self.config.quantization and self.ops.name == "native":
             self._choose_widening(model_obj)

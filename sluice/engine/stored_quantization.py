@@ -1,5 +1,6 @@
-"""`quantization="auto"` (the CLI's default): a file's quantized matrices run quantized, in the
-narrowest of the engine's formats that holds what the file stores, as a llama.cpp user expects
+"""`quantization="auto"` (the CLI's default): a file's quantized matrices run quantized, each in
+the narrowest of the engine's formats that holds what the file stores (int4 weights keep the
+matrices a file stores wider in int8: `weights.quantize_in_blocks`), as a llama.cpp user expects
 of a GGUF; float files run unquantized.
 
     choice = quantization_as_stored(("Q4_1",), ops)   # -> StoredChoice("int4", "...")
@@ -10,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .loader.gguf_blocks import FOUR_BIT_TYPES
+
 if TYPE_CHECKING:
     from .kernel_ops import KernelOps
 
-# GGUF types whose values int4 blocks hold (a scale and a minimum per block of 32 or finer)
-FOUR_BIT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+FOUR_BIT_FORMATS = frozenset(FOUR_BIT_TYPES)  # GGUF types whose values int4 blocks hold
 
 
 @dataclass(frozen=True)
@@ -37,14 +39,11 @@ def quantization_as_stored(formats: tuple[str, ...], ops: KernelOps) -> StoredCh
             f"the file stores them as {stored}, but the {ops.name} kernels do not multiply "
             "quantized blocks: dequantized",
         )
-    if set(formats) <= FOUR_BIT_FORMATS and "int4" in ops.quantizations:
-        return StoredChoice("int4", f"the file stores its layers' matrices as {stored}")
-    if "int8" in ops.quantizations:
+    four_bit = set(formats) & FOUR_BIT_FORMATS
+    if four_bit and "int4" in ops.quantizations:
         wider = sorted(set(formats) - FOUR_BIT_FORMATS)
-        why = f"the file stores its layers' matrices as {stored}" + (
-            f"; {'/'.join(wider)} needs more than 4 bits, so every layer runs in int8"
-            if wider and len(wider) < len(formats)
-            else ""
-        )
-        return StoredChoice("int8", why)
+        keep = f"; the matrices stored as {'/'.join(wider)} run int8" if wider else ""
+        return StoredChoice("int4", f"the file stores its layers' matrices as {stored}{keep}")
+    if "int8" in ops.quantizations:
+        return StoredChoice("int8", f"the file stores its layers' matrices as {stored}")
     return StoredChoice(None, f"the {ops.name} kernels run no quantized weights: dequantized")

@@ -16,7 +16,6 @@ own way instead (`KernelOps.linear`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +25,7 @@ from torch import nn
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .loader.gguf_blocks import Int4Blocks
+    from .loader.gguf_blocks import Int4Blocks, StoredProjections
     from .model import CausalLM, DecoderLayer
 
 
@@ -253,13 +252,14 @@ def transform_weights(
     quantization: str | None,
     layout: str = "onednn",
     int8_format: str = "per-channel",
-    stored: Mapping[tuple[int, str], Int4Blocks] | None = None,
+    stored: StoredProjections | None = None,
 ) -> None:
     """What the engine does to a built model:
     - "int8" quantizes it per output channel (`quantize_int8`), or in blocks of 32
       (`quantize_in_blocks`) where its kernels read int8 that way;
     - "int4" quantizes it in 4-bit blocks of 32 (the native kernels only), or takes a
-      projection's blocks as a file stored them (`stored`: by (layer, projection));
+      projection's blocks as a file stored them, or int8 blocks where the file stored it wider
+      (`stored`);
     - None packs its matmul weights in the layout its kernels read: for oneDNN where that is
       available (`pack_for_onednn`), for the fixed-order matmul (`pack_for_fixed_order`), or not
       at all ("plain")."""
@@ -335,28 +335,29 @@ def quantize_int8(model: CausalLM) -> None:
 
 
 def quantize_in_blocks(
-    model: CausalLM, bits: int = 8, stored: Mapping[tuple[int, str], Int4Blocks] | None = None
+    model: CausalLM, bits: int = 8, stored: StoredProjections | None = None
 ) -> None:
     """Codes in blocks of 32 wherever a matrix is multiplied, multiplied as stored by the native
     kernel: the four projections of every layer in `bits` (8 or 4), the LM head in int8 (as GGUF
     files keep it: the vocabulary matrix is the most sensitive). A tied head's embedding reads its
     rows from the head's matrix (`BlockInt8Embedding`); an untied one keeps int8 rows with one
-    scale each (`Int8Embedding`). Norm weights stay in the model dtype. In 4 bits, a projection
-    in `stored` (by layer and projection name) takes those blocks as they are."""
+    scale each (`Int8Embedding`). Norm weights stay in the model dtype. In 4 bits, with a file's
+    `stored` layout, a projection it stored in 4 bits takes those blocks as they are, and one it
+    stored wider is int8 (llama.cpp's mixed files keep their most sensitive matrices wider)."""
     from .kernels.int8_linear import quantize_int8 as quantize
 
     head, embed = model.lm_head, model.embed_tokens
     if not isinstance(head, Linear) or not isinstance(embed, Embedding):
         raise RuntimeError("quantize before packing: packed weights cannot be quantized")
-    own = stored if bits == 4 and stored else {}
     for n, layer in enumerate(_layers(model)):
         for name in PROJECTIONS:
-            linear, blocks = getattr(layer, name), own.get((n, name))
-            quantized = (
-                BlockInt8Linear.quantize(linear, bits)
-                if blocks is None
-                else BlockInt8Linear.from_int4_blocks(blocks, linear)
-            )
+            linear, key = getattr(layer, name), (n, name)
+            if bits == 4 and stored is not None and key in stored.int4:
+                quantized = BlockInt8Linear.from_int4_blocks(stored.int4[key], linear)
+            elif bits == 4 and stored is not None and key in stored.wider:
+                quantized = BlockInt8Linear.quantize(linear, 8)
+            else:
+                quantized = BlockInt8Linear.quantize(linear, bits)
             setattr(layer, name, quantized)
     tied = head.weight is embed.weight
     model.lm_head = blocked = BlockInt8Linear.quantize(head)

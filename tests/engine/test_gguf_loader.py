@@ -419,18 +419,70 @@ def test_quantization_auto_runs_a_files_layers_as_it_stores_them(smollm2, tmp_pa
     assert floats.config.quantization is None and "as floats" in said
 
 
-def test_a_file_with_layers_wider_than_4_bits_runs_int8():
-    """Q4_K_M files keep some layers in Q6_K: int4 would lose bits those hold, so int8 runs
-    every layer; Q8_0 alone is int8 too."""
+def test_auto_picks_int4_wherever_a_file_has_4_bit_layers():
+    """A file with 4-bit layers runs int4 (its wider matrices int8: the next test), one with
+    only wider types int8, a float file unquantized."""
     from sluice.engine.kernel_ops import resolve_kernel_ops
     from sluice.engine.stored_quantization import quantization_as_stored
 
     native = resolve_kernel_ops("native", "cpu")
     assert quantization_as_stored(("Q4_0", "Q4_K"), native).quantization == "int4"
     mixed = quantization_as_stored(("Q4_K", "Q6_K"), native)
-    assert mixed.quantization == "int8" and "Q6_K" in mixed.reason
-    assert quantization_as_stored(("Q8_0",), native).quantization == "int8"
+    assert mixed.quantization == "int4" and "Q6_K" in mixed.reason and "int8" in mixed.reason
+    assert quantization_as_stored(("Q6_K", "Q8_0"), native).quantization == "int8"
     assert quantization_as_stored((), native).quantization is None
+
+
+def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path):
+    """A Q4_K_M-like file (Q4_K, with the V projection and the down projection in Q6_K, as
+    llama.cpp's mixed files keep their most sensitive matrices wider): with int4 weights the
+    projections stored in 4 bits hold the file's blocks, and those with a Q6_K matrix are int8
+    blocks, whose values are within half an int8 step (and its float16 rounding) of the file's
+    (float64 reference decoder)."""
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+    from sluice.engine.loader.tensor_names import PROJECTION_PARTS
+
+    rng = np.random.default_rng(2)
+    hf = build("llama", hidden_size=256, intermediate_size=256)
+    layers = hf.config.num_hidden_layers
+    raws: dict[str, tuple[np.ndarray, Q]] = {}
+
+    def stored(hf_name: str, qtype: Q):
+        def raw_of(t):
+            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0], qtype
+            return raws[hf_name]
+
+        return raw_of
+
+    wide = ("self_attn.v_proj", "mlp.down_proj")
+    override = {
+        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(
+            f"model.layers.{i}.{part}.weight", Q.Q6_K if part in wide else Q.Q4_K
+        )
+        for i in range(layers)
+        for parts in PROJECTION_PARTS.values()
+        for part in parts
+    }
+    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    assert loaded.stored_formats == ("Q4_K", "Q6_K")
+    model = build_model(
+        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
+        int4_blocks=loaded.int4_blocks, stored_types=loaded.stored_types,
+    )  # fmt: skip
+    for i, layer in enumerate(model.layers):
+        assert layer.o_proj.packed.fmt == FMT_Q4 and layer.gate_up.packed.fmt == FMT_Q4
+        assert layer.qkv.packed.fmt == FMT_Q8 and layer.down.packed.fmt == FMT_Q8
+        raw, qtype = raws[f"model.layers.{i}.mlp.down_proj.weight"]
+        want = reference_dequantize(
+            np.ascontiguousarray(raw).view(np.uint8).reshape(-1), qtype, (256, 256)
+        )
+        got = widen_blocks(layer.down.packed, torch.float32).double().numpy()
+        step = np.repeat(np.abs(want).reshape(256, -1, 32).max(axis=2) / 127, 32, axis=1)
+        # half a step, and the step's float16 rounding times up to 127
+        ratio = (np.abs(got - want) / step).max()
+        assert ratio <= 0.5 + 127 * 2**-11, ratio
 
 
 def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatch):

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelError
-from .gguf_blocks import Int4Blocks
+from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, Int4Blocks, StoredProjections
 
 if TYPE_CHECKING:
     from ..kernel_ops import KernelOps
@@ -38,6 +38,8 @@ class LoadedModel:
     # the layers' 4-bit matrices as the file's own blocks (`gguf_blocks`), by HF name: int4
     # weights are built from these rather than quantized again from the values
     int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
+    # the GGUF type of each layer matrix, by HF name (empty for other files)
+    stored_types: dict[str, str] = field(default_factory=dict)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -113,12 +115,14 @@ def build_model(
     ops: KernelOps | None = None,
     source: str = "state dict",
     int4_blocks: Mapping[str, Int4Blocks] | None = None,
+    stored_types: Mapping[str, str] | None = None,
 ) -> CausalLM:
     """The model, ready to run, from HF-named tensors (cast and moved; the dict is not changed):
     shapes checked, weights built, then transformed as the engine runs them (quantized when
     `quantization` is "int8", else packed in the layout the kernel family reads:
     `transform_weights`). With int4 weights, a projection whose matrices all come with the file's
-    own 4-bit blocks (`int4_blocks`, by HF name) is built from those."""
+    own 4-bit blocks (`int4_blocks`, by HF name) is built from those, and one with a matrix the
+    file stored in more than 4 bits (`stored_types`, GGUF type by HF name) is int8."""
     from ..config import torch_dtype
     from ..model import CausalLM
     from ..weights import cast_unquantized, transform_weights
@@ -128,7 +132,9 @@ def build_model(
     target = torch_dtype(dtype)
     built = _quantized_from(tensors, target) if quantization else target
     model = CausalLM(config, model_weights(config, tensors, built, device), ops).eval()
-    stored = _stored_projections(config, int4_blocks) if quantization == "int4" else None
+    stored = None
+    if quantization == "int4":
+        stored = _stored_projections(config, int4_blocks or {}, stored_types or {})
     if ops is None:
         transform_weights(model, quantization, stored=stored)
     else:
@@ -139,19 +145,20 @@ def build_model(
 
 
 def _stored_projections(
-    config: ModelConfig, blocks: Mapping[str, Int4Blocks] | None
-) -> dict[tuple[int, str], Int4Blocks]:
-    """(layer, projection) -> the file's blocks of its stacked matrices, where all have them."""
+    config: ModelConfig, blocks: Mapping[str, Int4Blocks], types: Mapping[str, str]
+) -> StoredProjections:
+    """How the file stored each projection's stacked matrices (`StoredProjections`)."""
     from .tensor_names import PROJECTION_PARTS
 
-    out: dict[tuple[int, str], Int4Blocks] = {}
-    if not blocks:
-        return out
+    out = StoredProjections()
     for n in range(config.num_hidden_layers):
         for projection, parts in PROJECTION_PARTS.items():
             names = [f"model.layers.{n}.{part}.weight" for part in parts]
-            if all(name in blocks for name in names):
-                out[(n, projection)] = Int4Blocks.concat([blocks[name] for name in names])
+            stored = [types.get(name) for name in names]
+            if any(t is not None and t not in FOUR_BIT_TYPES + FLOAT_TYPES for t in stored):
+                out.wider.add((n, projection))
+            elif all(name in blocks for name in names):
+                out.int4[(n, projection)] = Int4Blocks.concat([blocks[name] for name in names])
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig, torch_dtype
 from ..errors import ModelError
-from .gguf_blocks import FOUR_BIT_TYPES, int4_blocks
+from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, int4_blocks
 from .tensor_names import check_tensors
 
 # Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
@@ -211,7 +211,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     config, gguf_arch = read_config(reader, source)
     target = torch.float32 if dtype is None else torch_dtype(dtype)
 
-    tensors, formats, blocks = {}, set(), {}
+    tensors, types, blocks = {}, {}, {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -219,7 +219,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         w = dequantize(t, source)
         stored = None
         if t.name.startswith("blk.") and name.endswith("_proj.weight"):
-            formats.add(t.tensor_type.name)
+            types[name] = t.tensor_type.name
             if t.tensor_type.name in FOUR_BIT_TYPES:
                 stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, w.shape)
         if gguf_arch in PERMUTED_QK:
@@ -243,7 +243,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         from ..tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(reader, source)
-    quantized = tuple(sorted(f for f in formats if f not in ("F32", "F16", "BF16")))
+    quantized = tuple(sorted({t for t in types.values() if t not in FLOAT_TYPES}))
     return LoadedModel(
         config=config,
         tensors=tensors,
@@ -251,4 +251,5 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         source=source,
         stored_formats=quantized,
         int4_blocks=blocks,
+        stored_types=types,
     )

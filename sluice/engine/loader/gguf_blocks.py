@@ -14,13 +14,14 @@ Wider types (Q5_*, Q6_K, Q8_0) are not read here: int8 blocks are quantized from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 BLOCK = 32
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass
@@ -97,3 +98,13 @@ def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
         torch.from_numpy(block_d.astype(np.float16).reshape(n, nb)),
         torch.from_numpy(block_m.astype(np.float16).reshape(n, nb)),
     )
+
+
+@dataclass
+class StoredProjections:
+    """How a file stores a model's projections, by (layer index, projection name as
+    `weights.PROJECTIONS`): the 4-bit blocks of those whose matrices are all stored in 4 bits,
+    and which have a matrix stored in more (Q5_*, Q6_K, Q8_0: int4 weights keep those in int8)."""
+
+    int4: dict[tuple[int, str], Int4Blocks] = field(default_factory=dict)
+    wider: set[tuple[int, str]] = field(default_factory=set)
