@@ -5,6 +5,7 @@
     .venv/bin/python bench/pipeline.py --delivery both   # the kafka phase once per delivery mode
     .venv/bin/python bench/pipeline.py --quantization int4   # int4 weights, as stored, both sides
     .venv/bin/python bench/pipeline.py --repeats 5   # engine, kafka, engine, ...: median ratio
+    .venv/bin/python bench/pipeline.py --engine-cpus 0   # the engine on CPU 0, the rest elsewhere
 
 Phases, one after the other on this machine:
   engine   LLMEngine in this process: all requests added at once, stepped until done; TTFT and
@@ -19,6 +20,9 @@ Each phase then sends 8 other prompts of 64 tokens one at a time (4 tokens out):
 latency the Kafka path adds to a request that does not queue behind others. During each timed phase
 the cores other processes kept busy are measured ("others"): on one machine the broker, Redis and
 the benchmark's client take CPU from the engine, which a deployment would not.
+With --engine-cpus LIST both sides' engine computes on those CPUs alone (one thread each), and the
+broker, Redis, this client and `sluice run`'s event loop keep to the others: what serving the queue
+costs when it does not take the engine's cores, as where the broker runs on other machines.
 With --repeats N the two phases alternate N times (a fresh engine and a fresh `sluice run` each
 time, the same prompts): on two shared cores one pair's ratio moved between 0.76 and 0.93 from run
 to run, so the ratio reported is the median of the pairs', and the table shows the median pair.
@@ -43,6 +47,9 @@ from pathlib import Path
 from cpu_meter import Timed
 from pipeline_plot import plot_pipeline
 
+from sluice.cli.generate import cpu_list_arg
+from sluice.engine.cpus import allowed_cpus, bind_this_thread
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "pipeline.json"
 FIGURE = RESULTS.with_suffix(".png")
@@ -58,6 +65,15 @@ def log(msg: str) -> None:
 LATENCY_REQUESTS = 8
 LATENCY_PROMPT = 64
 LATENCY_OUTPUT = 4
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Keep every thread of another process to `cpus` (its new threads inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            pass  # a thread that ended meanwhile
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,6 +116,9 @@ def summary(name: str, ttft: list[float], tpot: list[float], tokens: int, wall: 
 def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
     from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
+    if args.engine_cpus:
+        bind_this_thread(args.all_cpus)  # (the last Kafka phase kept this thread off them)
+
     engine = LLMEngine(
         args.model,
         EngineConfig(
@@ -108,6 +127,7 @@ def run_engine(args, prompts: list[str], alone_prompts: list[str]) -> dict:
             max_num_batched_tokens=args.max_num_batched_tokens,
             kernels=args.kernels,
             quantization=args.quantization,
+            engine_cpus=args.engine_cpus,  # (this thread, which steps it, is kept to them)
         ),
     )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -159,8 +179,17 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str], delivery
         delivery,
     ]
     cmd += ["--quantization", args.quantization or "none"]  # as the engine side runs
+    if args.engine_cpus:
+        cmd += ["--engine-cpus", ",".join(map(str, args.engine_cpus))]
+        bind_this_thread(args.other_cpus)  # this client, as the broker, off the engine's CPUs
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+            preexec_fn=lambda: bind_this_thread(args.all_cpus),  # it binds its own threads
+        )
     try:
         deadline = time.monotonic() + 180
         while " up: reading " not in log_path.read_text(errors="replace"):
@@ -261,6 +290,13 @@ def main() -> None:
         choices=["int8", "int4"],
         help="weights multiplied as stored by the native kernels, on both sides",
     )
+    parser.add_argument(
+        "--engine-cpus",
+        type=cpu_list_arg,
+        help="both sides' engine on these CPUs, one thread each (`--engine-cpus`), and the "
+        "broker, Redis, this client and `sluice run`'s event loop on the others: the pipeline's "
+        "cost when serving the queue does not share the engine's cores",
+    )
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument(
@@ -294,6 +330,19 @@ def main() -> None:
         args.bootstrap_servers = kafka_bootstrap_servers()
         if not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
             LocalStack().up()  # a no-op when it is already running
+    args.all_cpus = allowed_cpus()
+    if args.engine_cpus:
+        args.other_cpus = args.all_cpus - set(args.engine_cpus)
+        if not args.other_cpus:
+            raise SystemExit("--engine-cpus: leave at least one CPU for the broker and the client")
+        stack = LocalStack()
+        for pid in (stack.kafka.pid(), stack.redis.pid()):
+            if pid is not None:
+                pin_process(pid, args.other_cpus)
+        log(
+            f"engine on CPUs {sorted(args.engine_cpus)}; broker, Redis, client and event loop on "
+            f"{sorted(args.other_cpus)}"
+        )
     tokenizer, _ = load_tokenizer(args.model)
     prompts = make_prompts(
         tokenizer, args.num_requests, args.prompt_min, args.prompt_max, args.seed

@@ -378,12 +378,16 @@ class Pipeline:
 
     async def _engine(self):
         from sluice.engine import LLMEngine
+        from sluice.engine.cpus import bind_this_thread
         from sluice.engine.faults import fault_hook_from_env
 
         # Loading takes seconds: keep the loop free meanwhile (in a thread that then ends: see
         # in_passing_thread for why not asyncio.to_thread).
         self.engine = await in_passing_thread(LLMEngine, self.config.model, self.config.engine)
         self.engine.fault_hook = fault_hook_from_env(self.engine.tokenizer)  # tests only
+        if self.engine.other_cpus:
+            # The engine has CPUs of its own: this loop (and the threads it starts) keeps off them
+            bind_this_thread(self.engine.other_cpus)
         return self.engine
 
     def _sink(self, topic: str, key) -> KafkaSink:

@@ -153,6 +153,7 @@ class RunnerActor(Actor):
             has_work=loop.has_work,
             name=self.runner_id,
             max_pending=16,
+            on_start=getattr(self.engine, "bind_thread", None),  # (test engines may have none)
         )
         self._worker.start()
         self.spawn(self._pump(), name=f"{self.runner_id}-pump")

@@ -9,8 +9,16 @@ from dataclasses import asdict
 
 from sluice.cli.formats import RESPONSE_FORMAT_HELP, response_format_arg
 from sluice.engine.config import EngineConfig
+from sluice.engine.cpus import parse_cpu_list
 from sluice.engine.errors import EngineError
 from sluice.engine.sampling_params import SamplingParams
+
+
+def cpu_list_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
+    except EngineError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +79,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "chunking, prefix cache or thread count (CPU; slower: docs/REPRODUCIBILITY.md)",
     )
     group.add_argument(
+        "--engine-cpus",
+        metavar="LIST",
+        type=cpu_list_arg,
+        help="the CPUs the engine computes on, one thread each (a list such as 0-3 or 0,2); the "
+        "rest of the process (the event loop, the Kafka clients) keeps to the other CPUs, so it "
+        "never takes a core from a step (default: every CPU, shared)",
+    )
+    group.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -94,6 +110,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kernels=args.kernels,
         deterministic=args.deterministic,
         tensor_parallel_size=args.tensor_parallel_size,
+        engine_cpus=args.engine_cpus,
     )
 
 

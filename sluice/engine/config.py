@@ -199,6 +199,9 @@ class EngineConfig:
     # Ranks the model's heads and MLP columns are split over (`tensor_parallel`): rank 0 is this
     # process, ranks 1..N-1 worker processes it starts
     tensor_parallel_size: int = 1
+    # The CPUs the engine computes on, one thread each (`cpus`); None: torch's threads on every
+    # CPU the process may use, shared with the rest of it
+    engine_cpus: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -226,6 +229,12 @@ class EngineConfig:
             raise ConfigError(
                 f"tensor_parallel_size must be a whole number of at least 1, not {tp!r}",
                 field="tensor_parallel_size",
+            )
+        if tp > 1 and self.engine_cpus is not None:
+            raise ConfigError(
+                "engine_cpus does not run with tensor_parallel_size > 1: the ranks divide the "
+                "machine's threads among themselves",
+                field="engine_cpus",
             )
         if tp > 1 and self.deterministic:
             # an all-reduce adds the ranks' partial sums in an order of its own, and provenance

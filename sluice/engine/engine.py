@@ -93,6 +93,10 @@ class LLMEngine:
                 self.config, device="cuda" if torch.cuda.is_available() else "cpu"
             )
         started = time.monotonic()
+        # The CPUs left to the rest of the process (its event loop) when the engine has its own
+        self.other_cpus: set[int] = set()
+        if self.config.engine_cpus is not None:
+            self.other_cpus = self._take_cpus(self.config.engine_cpus)
         self.ops = resolve_kernel_ops(
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
@@ -181,6 +185,31 @@ class LLMEngine:
         self.memory = memory_report(rank_config, self.config, model_obj, self.runner)
         self.provenance = engine_provenance(self, weights_hash)
         self._log_ready(time.monotonic() - started, num_blocks)
+
+    def _take_cpus(self, cpus: tuple[int, ...]) -> set[int]:
+        """`engine_cpus`: one compute thread a CPU, this thread (which builds the engine, and
+        runs the probes) on them; returns the process's other CPUs."""
+        from .cpus import bind_this_thread, check_engine_cpus, other_cpus
+
+        check_engine_cpus(cpus)
+        others = other_cpus(cpus)
+        torch.set_num_threads(len(cpus))
+        bind_this_thread(cpus)
+        log.info(
+            "engine threads: %d, on CPUs %s; the rest of the process on %s",
+            len(cpus),
+            ",".join(map(str, cpus)),
+            ",".join(map(str, sorted(others))) or "the same CPUs (no others are allowed)",
+        )
+        return others
+
+    def bind_thread(self) -> None:
+        """Keep the calling thread, which is about to step the engine, to `engine_cpus` (call it
+        before the thread first computes: the OpenMP team it starts inherits its CPUs)."""
+        if self.config.engine_cpus is not None:
+            from .cpus import bind_this_thread
+
+            bind_this_thread(self.config.engine_cpus)
 
     def close(self) -> None:
         """Stop the processes the engine started (tensor-parallel workers); it cannot step after.

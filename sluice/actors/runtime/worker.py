@@ -5,7 +5,8 @@ Kafka consumer (missed heartbeats, a rebalance). `ThreadedWorker` runs them in o
 own, which is also the only thread that touches the engine:
 
     worker = ThreadedWorker(step=engine.step, accept=engine.add_request,
-                            has_work=engine.has_unfinished, name="runner-0")
+                            has_work=engine.has_unfinished, name="runner-0",
+                            on_start=engine.bind_thread)   # optional: first thing in the thread
     worker.start()                      # from the event loop
     worker.submit(request)              # any time, from the loop: handed to accept() in the thread
     async for output in worker:         # each non-None step() result, in order
@@ -56,8 +57,10 @@ class ThreadedWorker(Generic[In, Out]):
         name: str = "worker",
         max_pending: int = 64,
         idle_wait: float = 0.5,
+        on_start: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
+        self._on_start = on_start  # called first in the thread (e.g. to bind it to CPUs)
         self._step = step
         self._accept = accept
         self._has_work = has_work
@@ -144,6 +147,8 @@ class ThreadedWorker(Generic[In, Out]):
     def _run(self) -> None:
         items: list[In] = []
         try:
+            if self._on_start is not None:
+                self._on_start()
             while not self._stop_now.is_set():
                 items += self._take_inbox()
                 if self._stop_now.is_set():
