@@ -378,7 +378,7 @@ def main() -> None:
     from_slower_steps_ms = engine["ttft_p50_s"] * (kafka["wall_s"] / engine["wall_s"] - 1) * 1000
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "args": vars(args),
+        "args": {k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
         "prompt_tokens": prompt_tokens,
         "sides": [engine, *kafkas],
         "throughput_ratio": ratio,
