@@ -18,7 +18,7 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """ "0-3,6" -> (0, 1, 2, 3, 6), as taskset and cgroups write CPU lists."""
+    """A CPU list as taskset and cgroups write it: "0-3,6" -> (0, 1, 2, 3, 6)."""
     cpus: set[int] = set()
     for part in text.split(","):
         found = _RANGE.fullmatch(part.strip())
