@@ -16,8 +16,6 @@ from .loader.gguf_blocks import FOUR_BIT_TYPES
 if TYPE_CHECKING:
     from .kernel_ops import KernelOps
 
-FOUR_BIT_FORMATS = frozenset(FOUR_BIT_TYPES)  # GGUF types whose values int4 blocks hold
-
 
 @dataclass(frozen=True)
 class StoredChoice:
@@ -39,9 +37,8 @@ def quantization_as_stored(formats: tuple[str, ...], ops: KernelOps) -> StoredCh
             f"the file stores them as {stored}, but the {ops.name} kernels do not multiply "
             "quantized blocks: dequantized",
         )
-    four_bit = set(formats) & FOUR_BIT_FORMATS
-    if four_bit and "int4" in ops.quantizations:
-        wider = sorted(set(formats) - FOUR_BIT_FORMATS)
+    if set(formats) & set(FOUR_BIT_TYPES) and "int4" in ops.quantizations:
+        wider = sorted(set(formats) - set(FOUR_BIT_TYPES))
         keep = f"; the matrices stored as {'/'.join(wider)} run int8" if wider else ""
         return StoredChoice("int4", f"the file stores its layers' matrices as {stored}{keep}")
     if "int8" in ops.quantizations:

@@ -32,14 +32,17 @@ class LoadedModel:
     ]  # HF names; float32 unless load_model(dtype=...) asked otherwise
     tokenizer: Tokenizer | None  # None only when load_model(load_tokenizer=False)
     source: str  # path it came from
-    # the quantized types the file stored the decoder layers' matrices in (GGUF's, such as
-    # "Q4_1"); empty where they were float tensors
-    stored_formats: tuple[str, ...] = ()
     # the layers' 4-bit matrices as the file's own blocks (`gguf_blocks`), by HF name: int4
     # weights are built from these rather than quantized again from the values
     int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
     # the GGUF type of each layer matrix, by HF name (empty for other files)
     stored_types: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stored_formats(self) -> tuple[str, ...]:
+        """The quantized types the file stored the decoder layers' matrices in (GGUF's, such as
+        "Q4_1"), sorted; empty where they were float tensors."""
+        return tuple(sorted({t for t in self.stored_types.values() if t not in FLOAT_TYPES}))
 
 
 def _is_gguf(path: Path) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from ..config import ModelConfig, torch_dtype
 from ..errors import ModelError
-from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, int4_blocks
+from .gguf_blocks import FOUR_BIT_TYPES, int4_blocks
 from .tensor_names import check_tensors
 
 # Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
@@ -243,13 +243,11 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         from ..tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(reader, source)
-    quantized = tuple(sorted({t for t in types.values() if t not in FLOAT_TYPES}))
     return LoadedModel(
         config=config,
         tensors=tensors,
         tokenizer=tokenizer,
         source=source,
-        stored_formats=quantized,
         int4_blocks=blocks,
         stored_types=types,
     )
