@@ -3,11 +3,13 @@
     .venv/bin/pip install -e '.[peers]'      # llama-cpp-python, compiled here from source (~7 min)
     .venv/bin/python bench/peers.py            # 64 requests x 128 tokens; a single request
     .venv/bin/python bench/peers.py --quick    # a smaller version, a few minutes
+    .venv/bin/python bench/peers.py --rounds 3 # every configuration 3 times in turn: medians
     .venv/bin/python bench/peers.py --table-from bench/results/peers.json
 
-On a CPU with AMX, llama.cpp's AMX path (built in by its default -march=native) died with SIGSEGV
-repacking this model's Q8_0 and Q4_1 tensors (llama-cpp-python 0.3.36, an Intel Xeon with
-AMX-INT8); build it with its other vector paths and without AMX:
+llama.cpp's default build (-march=native) suits most CPUs. On a CPU with AMX, its AMX path died
+with SIGSEGV repacking this model's Q8_0 and Q4_1 tensors (llama-cpp-python 0.3.36, an Intel Xeon
+with AMX-INT8); there, build it with its other vector paths and without AMX (the flags below are
+that Xeon's: one is AVX-VNNI, which AMD Zen 4 lacks, and such a build dies there by SIGILL):
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
       -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
@@ -37,7 +39,11 @@ Both sides get the same seeded random prompt ids and produce exactly --output-le
 EOS). Reported: output tokens/s of the whole workload (prefill included), the single request's
 median ms/token, peak RSS, and greedy agreement: the share of each request's tokens before its
 first difference from sluice float32's, averaged (1.0 = the same text). Ratios are against
-llama.cpp's best in the same run. Writes bench/results/peers.json and prints a table.
+llama.cpp's best in the same round. A shared machine's speed drifts within minutes (the same
+lone-request run measured 3.9 and 4.9 ms/token a quarter of an hour apart), so with --rounds N
+every configuration runs N times in turn, each ratio is taken within a round, and the table
+gives the medians and each ms/token ratio's range. Writes bench/results/peers.json and prints a
+table.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import ctypes
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -300,6 +307,14 @@ def main() -> None:
     )
     p.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS")
     p.add_argument("--retries", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, in turn; the table gives medians, and "
+        "each ratio's median over the rounds with its range (this machine's speed drifts "
+        "within minutes, so a ratio is taken within a round)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=RESULTS)
     p.add_argument("--table-from", type=Path, metavar="JSON")
@@ -333,8 +348,39 @@ def main() -> None:
     files = weight_files()
     started = time.time()
     et.log(f"workload: {w}; {a.threads} threads")
-    runs: dict[str, dict] = {}
     kv_mib = et.kv_cache_mib_for(w, 4)  # float32-sized for every configuration
+    rounds = []
+    for n in range(a.rounds):
+        if a.rounds > 1:
+            et.log(f"round {n + 1} of {a.rounds}")
+        rounds.append(run_round(a, w, files, kv_mib))
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+        "command": " ".join(
+            [os.path.relpath(sys.executable, ROOT), "bench/peers.py", *sys.argv[1:]]
+        ),
+        "machine": {
+            "cpu": et.cpu_model(),
+            "cpu_flags": sorted(
+                f for f in cpu_kernels.cpu_flags() if f.startswith(("avx", "amx", "fma"))
+            ),
+            "logical_cpus": os.cpu_count(),
+            "threads": a.threads,
+            "python": platform.python_version(),
+        },
+        "workload": w,
+        "rounds": rounds,
+    }
+    summarize(report)
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(report, indent=1))
+    et.log(f"wrote {a.json}")
+
+
+def run_round(a, w: dict, files: dict[str, Path], kv_mib: int) -> dict[str, dict]:
+    """Every configuration once, one after the other: results by label, each output replaced by
+    its agreement with sluice float32's."""
+    runs: dict[str, dict] = {}
     for name, fmt, dtype, quant in SLUICE:
         if name not in a.sluice.split(","):
             continue
@@ -360,30 +406,10 @@ def main() -> None:
     ref_outputs = None if reference is None or "failed" in reference else reference["outputs"]
     for r in measured:
         outputs = r.pop("outputs")
-        if reference is not None:
+        if ref_outputs is not None:
             r["agreement"] = agreement(outputs, ref_outputs)
             r["single_agreement"] = agreement([r["single_tokens"]], [reference["single_tokens"]])
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-        "command": " ".join(
-            [os.path.relpath(sys.executable, ROOT), "bench/peers.py", *sys.argv[1:]]
-        ),
-        "machine": {
-            "cpu": et.cpu_model(),
-            "cpu_flags": sorted(
-                f for f in cpu_kernels.cpu_flags() if f.startswith(("avx", "amx", "fma"))
-            ),
-            "logical_cpus": os.cpu_count(),
-            "threads": a.threads,
-            "python": platform.python_version(),
-        },
-        "workload": w,
-        "runs": runs,
-    }
-    summarize(report)
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(report, indent=1))
-    et.log(f"wrote {a.json}")
+    return runs
 
 
 def spawn_or_failure(phase: str, a, w: dict, extra: list[str], **kw) -> dict:
@@ -393,42 +419,74 @@ def spawn_or_failure(phase: str, a, w: dict, extra: list[str], **kw) -> dict:
         return et.spawn(phase, a, w, extra, **kw)
     except subprocess.CalledProcessError as e:
         why = f"exit {e.returncode}" if e.returncode > 0 else f"killed by signal {-e.returncode}"
+        if e.returncode == -signal.SIGILL:
+            why += " (SIGILL: llama.cpp was built for instructions this CPU lacks; see the top)"
         et.log(f"{phase}: the phase's process died ({why}); going on without it")
         return {"failed": why}
 
 
-def summarize(r: dict) -> None:
-    runs = r["runs"]
-    for label, x in runs.items():
-        if "failed" in x:
-            print(f"{label}: not measured, its process died ({x['failed']})")
-    runs = {label: x for label, x in runs.items() if "failed" not in x}
+def round_ratios(runs: dict[str, dict]) -> dict[str, tuple[float, float]]:
+    """Each measured run's (throughput, ms/token) against llama.cpp's best in the same round."""
     llama = [x for x in runs.values() if x["engine"] == "llama.cpp"]
     best_tput = max((x["throughput_tok_s"] for x in llama), default=float("nan"))
     best_ms = min((x["single_ms_per_token"] for x in llama), default=float("nan"))
+    return {
+        label: (x["throughput_tok_s"] / best_tput, x["single_ms_per_token"] / best_ms)
+        for label, x in runs.items()
+    }
+
+
+def summarize(r: dict) -> None:
+    rounds = r.get("rounds") or [r["runs"]]  # a report written before rounds: one round
+    for n, runs in enumerate(rounds):
+        for label, x in runs.items():
+            if "failed" in x:
+                print(f"{label}: not measured in round {n + 1}, its process died ({x['failed']})")
+    rounds = [{k: x for k, x in runs.items() if "failed" not in x} for runs in rounds]
+    ratios = [round_ratios(runs) for runs in rounds]
+    labels = list(dict.fromkeys(label for runs in rounds for label in runs))
     w = r["workload"]
     print(
         f"\nSmolLM2-135M, {r['machine']['threads']} threads, {r['machine']['cpu']}, {r['date']}\n"
         f"{w['num_requests']} requests ({w['prompt_tokens']} prompt tokens) x {w['output_len']} "
-        f"tokens; single request {w['single_prompt_len']} in, {w['single_output_len']} out\n"
+        f"tokens; single request {w['single_prompt_len']} in, {w['single_output_len']} out"
+        + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
+        + "\n"
     )
+    spread = len(rounds) > 1
     head = (
         f"{'engine':<34} {'tok/s':>8} {'x best':>7} {'ms/tok':>8} {'x best':>7} "
-        f"{'RSS MiB':>8} {'agree':>6} {'others':>7}"
+        + (f"{'range':>11} " if spread else "")
+        + f"{'RSS MiB':>8} {'agree':>6} {'others':>7}"
     )
     print(head)
     print("-" * len(head))
-    for label, x in runs.items():
-        print(
-            f"{label:<34} {x['throughput_tok_s']:>8.1f} {x['throughput_tok_s'] / best_tput:>7.2f} "
-            f"{x['single_ms_per_token']:>8.2f} {x['single_ms_per_token'] / best_ms:>7.2f} "
-            f"{x['batch_peak_rss_mib']:>8.0f} {x.get('agreement', float('nan')):>6.2f} "
-            f"{x.get('others_cores', float('nan')):>7.2f}"
+
+    def med(values):
+        return statistics.median(values) if values else float("nan")
+
+    for label in labels:
+        xs = [runs[label] for runs in rounds if label in runs]
+        tput_x = [q[label][0] for q in ratios if label in q]
+        ms_x = [q[label][1] for q in ratios if label in q]
+        line = (
+            f"{label:<34} {med([x['throughput_tok_s'] for x in xs]):>8.1f} {med(tput_x):>7.2f} "
+            f"{med([x['single_ms_per_token'] for x in xs]):>8.2f} {med(ms_x):>7.2f} "
         )
+        if spread:
+            line += f"{f'{min(ms_x):.2f}-{max(ms_x):.2f}':>11} "
+        line += (
+            f"{med([x['batch_peak_rss_mib'] for x in xs]):>8.0f} "
+            f"{med([x.get('agreement', float('nan')) for x in xs]):>6.2f} "
+            f"{max(x.get('others_cores', float('nan')) for x in xs):>7.2f}"
+        )
+        print(line)
     print(
-        "\nx best: against llama.cpp's best in this run (throughput: higher is better; ms/token: "
-        "lower is better). agree: share of tokens before the first difference from sluice "
-        "float32's, averaged over requests. others: cores other processes used meanwhile."
+        "\nx best: against llama.cpp's best in the same round (throughput: higher is better; "
+        "ms/token: lower is better)"
+        + ("; range: the ms/token ratio's lowest and highest over the rounds" if spread else "")
+        + ". agree: share of tokens before the first difference from sluice float32's, averaged "
+        "over requests. others: cores other processes used meanwhile (the most in any round)."
     )
 
 
