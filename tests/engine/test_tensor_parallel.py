@@ -244,7 +244,35 @@ def tiny_prompts(vocab: int) -> list[list[int]]:
     return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share a block
 
 
-# (int8 weights and an int8 cache together meet a near-tie of these random weights, 0.015 apart)
+# Greedy with the gap between the two most likely tokens at each step. Tensor parallelism adds the
+# ranks' partial sums in another order: in float32 that moves a logit by ~1e-6, but where the
+# activations are quantized per block (int8 and int4 weights) or the cache is, such a move can
+# turn a code over and move a logit by ~1e-2 (on an AMD EPYC, int8 weights at TP=2 took the
+# other of two tokens 0.0115 apart). Where the two most likely are closer than that, the rank
+# group may take the other one and the text goes its own way from there.
+GREEDY_GAPS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+NEAR_TIE = {"float32": 1e-3, "quantized": 0.02}
+
+
+def with_gaps(results) -> list[tuple[list[int], list[float]]]:
+    """Each result's tokens, and at each the logprob gap between the two most likely."""
+    return [
+        (r.token_ids, [lp.top[0][1] - lp.top[1][1] for lp in r.samples[0].logprobs])
+        for r in results
+    ]
+
+
+def same_until_a_near_tie(got, want, near_tie: float) -> int:
+    """Asserts each of `got`'s texts is `want`'s up to `want`'s first gap under `near_tie`;
+    returns how many tokens that compared."""
+    compared = 0
+    for (tokens, _), (reference, gaps) in zip(got, want, strict=True):
+        n = next((i for i, gap in enumerate(gaps) if gap < near_tie), len(reference))
+        assert tokens[:n] == reference[:n], (tokens, reference, gaps)
+        compared += n
+    return compared
+
+
 @pytest.mark.parametrize(
     "config",
     [{}, {"quantization": "int8"}, {"quantization": "int4"}, {"kv_cache_dtype": "int8"}],
@@ -256,13 +284,17 @@ def test_tiny_qwen2_at_tp2_gives_tp1s_greedy_tokens(qwen2_dir, config):
         engine = tiny_engine(qwen2_dir, tp, **config)
         try:
             ps = tiny_prompts(engine.model_config.vocab_size)
-            first = [r.token_ids for r in engine.generate(prompt_token_ids=ps, params=GREEDY)]
-            again = engine.generate(prompt_token_ids=ps[-2:], params=GREEDY)
+            first = engine.generate(prompt_token_ids=ps, params=GREEDY_GAPS)
+            again = engine.generate(prompt_token_ids=ps[-2:], params=GREEDY_GAPS)
             assert all(r.usage.cached_tokens >= 16 for r in again)
-            results[tp] = first, [r.token_ids for r in again]
+            results[tp] = with_gaps(first), with_gaps(again)
         finally:
             engine.close()
-    assert results[2] == results[1]
+    near_tie = NEAR_TIE["quantized" if config else "float32"]
+    total = sum(len(tokens) for tokens, _ in results[1][0] + results[1][1])
+    compared = same_until_a_near_tie(results[2][0], results[1][0], near_tie)
+    compared += same_until_a_near_tie(results[2][1], results[1][1], near_tie)
+    assert compared >= 2 / 3 * total, f"only {compared} of {total} tokens before a near-tie"
 
 
 async def test_built_in_a_helper_thread_of_an_asyncio_program(qwen2_dir):
