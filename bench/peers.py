@@ -311,9 +311,9 @@ def main() -> None:
         "--rounds",
         type=int,
         default=1,
-        help="run every configuration this many times, in turn; the table gives medians, and "
-        "each ratio's median over the rounds with its range (this machine's speed drifts "
-        "within minutes, so a ratio is taken within a round)",
+        help="run every configuration this many times, in turn; the table gives medians of the "
+        "values and of the ratios, each ratio taken within its round (this machine's speed "
+        "drifts within minutes), and the ms/token ratio's range",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=RESULTS)
@@ -324,6 +324,8 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # spawn passes it
     a = p.parse_args()
+    if a.rounds < 1:
+        p.error("--rounds: at least 1")
     if a.phase:
         result = run_llama(a)
         Path(a.out).write_text(json.dumps(result))
