@@ -101,6 +101,7 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
  * scores for one query are 16 dot products, summed across lanes together by transpose_sum16. */
 #define FAST_BLOCK 16
 #define FAST_MAX_G 16
+#define MAX_PARTS 64 /* a context is split over at most this many threads */
 
 /* How far ahead of the block being computed on its K (then V) blocks are asked for, when they lie
  * elsewhere in memory: a block of all heads is a few KiB, read in a fraction of the time memory
@@ -117,18 +118,21 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
 /* Whether block b of a sequence lies right after block b - 1 in memory. */
 static inline int follows(const int32_t *table, int b) { return table[b] == table[b - 1] + 1; }
 
-/* One sequence, its KV heads h0 .. h1-1 (all of them, or one where few sequences are spread over
- * the threads by head), for block_size 16 and D = 16 * nv: a block's K (then V) rows of
- * every KV head are one contiguous run of memory, read once and used by all G queries of each
- * head. kind: what the cache holds (simd.h); an int8 one has one float32 scale per (block, KV head)
+/* One sequence's positions first .. len-1, its KV heads h0 .. h1-1 (all of them, or one where
+ * a few sequences are spread over the threads by head), for block_size 16 and D = 16 * nv: a
+ * block's K (then V) rows of every KV head are one contiguous run of memory, read once and used by
+ * all G queries of each head. kind: what the cache holds (simd.h); an int8 one has one float32 scale per (block, KV head)
  * in k_scale / v_scale ([num_blocks, Hkv]): the K scale multiplies a block's scores, the V scale
  * its weights. bf16: q and out are bfloat16 (else float32). Scratch: qs, Hq * D floats (the
  * queries, scaled); acc, Hq * D floats (the outputs before the division); scores, Hq rows of
- * `stride` floats, kept per whole block from base = first rounded down to the block. */
+ * `stride` floats, kept per whole block from base = first rounded down to the block. With `part`
+ * (a part of a context split over threads, see `merge_parts`), the rows' float32 sums before the
+ * division go to `part` ([Hq, D]) and each row's maximum score and sum of weights to `part_stats`
+ * ([Hq, 2]) instead of the output to `out`. */
 static inline __attribute__((always_inline)) void decode_seq_fast(
     const void *q, void *out, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
     const int32_t *table, int first, int len, int hkv, int h0, int h1, int g, const int nv, const int kind,
-    const int bf16, float scale, float *qs, float *acc_all, float *scores) {
+    const int bf16, float scale, float *qs, float *acc_all, float *scores, float *part, float *part_stats) {
     const int d = 16 * nv, hq = hkv * g;
     const int64_t block_elems = (int64_t)FAST_BLOCK * d;
     const int64_t elem_bytes = cache_elem_bytes(kind);
@@ -200,6 +204,7 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
             sum += e;
         }
         qs[r] = 1.0f / sum; /* the queries are no longer needed: qs keeps the Hq inverse sums */
+        if (part_stats != NULL) part_stats[2 * r] = m, part_stats[2 * r + 1] = sum;
         for (int c = 0; c < nv; c++) store16(acc_all + r * d + 16 * c, (v16f){0});
     }
 
@@ -219,9 +224,38 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
                            kind == CACHE_BF16, t0, t1, g, nv, quantized, vs);
         }
     }
+    if (part != NULL) {
+        memcpy(part + h0 * g * d, acc_all + h0 * g * d, sizeof(float) * (size_t)((h1 - h0) * g * d));
+        return;
+    }
     for (int r = h0 * g; r < h1 * g; r++) {
         const float c_r = qs[r];
         for (int c = 0; c < nv; c++) store16_act(out, r * d + 16 * c, load16(acc_all + r * d + 16 * c) * c_r, bf16);
+    }
+}
+
+/* A context split into `parts` runs of positions, each with its own softmax (`decode_seq_fast`
+ * with `part`): the output is the parts' sums rescaled to the largest maximum score M,
+ *   out = sum_p acc_p * exp(m_p - M) / sum_p sum_p * exp(m_p - M),
+ * a part without positions counting for nothing. rows: Hq; d: 16 * nv. */
+static void merge_parts(void *out, const float *part, const float *stats, int parts, int rows, const int nv,
+                        const int bf16) {
+    const int d = 16 * nv;
+    for (int r = 0; r < rows; r++) {
+        float m = -INFINITY, total = 0.0f, w[MAX_PARTS];
+        for (int p = 0; p < parts; p++)
+            if (stats[(p * rows + r) * 2 + 1] > 0.0f && stats[(p * rows + r) * 2] > m) m = stats[(p * rows + r) * 2];
+        for (int p = 0; p < parts; p++) {
+            const float sum = stats[(p * rows + r) * 2 + 1];
+            w[p] = sum > 0.0f ? exp_nonpositive(stats[(p * rows + r) * 2] - m) : 0.0f;
+            total += w[p] * sum;
+        }
+        for (int c = 0; c < nv; c++) {
+            v16f o = {0};
+            for (int p = 0; p < parts; p++)
+                if (w[p] > 0.0f) o += load16(part + ((int64_t)p * rows + r) * d + 16 * c) * w[p];
+            store16_act(out, r * d + 16 * c, o * (1.0f / total), bf16);
+        }
     }
 }
 
@@ -241,30 +275,53 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
     const int fast = bs == FAST_BLOCK && g <= FAST_MAX_G && (d == 64 || d == 128);
     if (!attention_types_served(kind, bf16, k_scale) || (!fast && (kind != CACHE_F32 || bf16))) return -2;
     const int64_t act_bytes = bf16 ? 2 : 4;
+    /* Work items: one sequence each, all its heads, so its blocks are read front to back. With
+     * fewer sequences than threads (a lone request decoding), each context is cut instead into
+     * `parts` runs of whole blocks, one a work item, merged at the end (`merge_parts`): every
+     * thread then streams one stretch of memory, all heads of each block, however few heads
+     * there are to share out (on the generic path, one KV head a work item instead). With fewer
+     * sequences than two a thread, one (sequence, KV head) a work item, so every thread has a
+     * share; a head's arithmetic is the same either way. */
+    int parts = 1;
+    if (fast && n < num_threads) parts = (num_threads + n - 1) / n < MAX_PARTS ? (num_threads + n - 1) / n : MAX_PARTS;
+    const int items_per_seq = parts > 1 ? parts : n < 2 * num_threads ? hkv : 1;
     /* per thread: scores of every head (with room for whole first and last blocks), then the
-     * scaled queries and the outputs (fast path) or one head's accumulator (generic path) */
+     * scaled queries and the outputs (fast path) or one head's accumulator (generic path); then,
+     * for a split context, each part's sums and statistics */
     const size_t scores_len = (size_t)hq * (max_len + 2 * (size_t)bs);
     const size_t per_thread = scores_len + 2 * (size_t)hq * d;
-    float *scratch = malloc(sizeof(float) * per_thread * num_threads);
+    const size_t part_len = parts > 1 ? (size_t)n * parts * hq * (d + 2) : 0;
+    float *scratch = malloc(sizeof(float) * (per_thread * num_threads + part_len));
     if (scratch == NULL) return -1;
-    /* One sequence per work item, all its heads: its blocks are then read front to back. With fewer
-     * sequences than two a thread (a single request decoding), one (sequence, KV head) a work item
-     * instead, so every thread has a share; a head's arithmetic is the same either way. */
-    const int items_per_seq = n < 2 * num_threads ? hkv : 1;
+    float *part_sums = scratch + per_thread * num_threads, *part_stats = part_sums + (size_t)n * parts * hq * d;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int item = 0; item < n * items_per_seq; item++) {
-        const int i = item / items_per_seq, h0 = item % items_per_seq;
-        const int h1 = items_per_seq == 1 ? hkv : h0 + 1;
+        const int i = item / items_per_seq, k = item % items_per_seq;
         float *scores = scratch + per_thread * omp_get_thread_num();
         float *qs = scores + scores_len, *acc = qs + (size_t)hq * d;
         const int len = seq_lens[i];
-        const int first = (window > 0 && len > window) ? len - window : 0;
+        const int window_first = (window > 0 && len > window) ? len - window : 0;
+        int first = window_first, last = len, h0 = parts > 1 || items_per_seq == 1 ? 0 : k;
+        const int h1 = parts > 1 || items_per_seq == 1 ? hkv : h0 + 1;
+        float *part = NULL, *stats = NULL;
+        if (parts > 1) { /* part k: its share of the context's blocks, and of its positions */
+            const int b0 = window_first / bs, nb = (len + bs - 1) / bs - b0;
+            const int p0 = (b0 + nb * k / parts) * bs, p1 = (b0 + nb * (k + 1) / parts) * bs;
+            first = p0 > window_first ? p0 : window_first;
+            last = p1 < len ? p1 : len;
+            part = part_sums + ((size_t)i * parts + k) * hq * d;
+            stats = part_stats + ((size_t)i * parts + k) * hq * 2;
+            if (first >= last) { /* no positions: it counts for nothing in the merge */
+                for (int r = 0; r < hq; r++) stats[2 * r] = -INFINITY, stats[2 * r + 1] = 0.0f;
+                continue;
+            }
+        }
         const void *qi = (const char *)q + tokens[i] * q_stride * act_bytes;
         void *oi = (char *)out + tokens[i] * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-#define FAST(NV, KIND, BF16)                                                                                       \
-    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, len, hkv, h0, h1, g, NV, KIND, BF16, \
-                    scale, qs, acc, scores)
+#define FAST(NV, KIND, BF16)                                                                                        \
+    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, last, hkv, h0, h1, g, NV, KIND, BF16, \
+                    scale, qs, acc, scores, part, stats)
         if (!fast)
             /* query heads h*G .. h*G+G-1 are consecutive [D] rows of the token's q (and out) */
             for (int h = h0; h < h1; h++)
@@ -275,6 +332,10 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
             CALL_SPECIALIZED(FAST, d, kind, bf16);
 #undef FAST
     }
+    if (parts > 1)
+        for (int i = 0; i < n; i++)
+            merge_parts((char *)out + tokens[i] * out_stride * act_bytes, part_sums + (size_t)i * parts * hq * d,
+                        part_stats + (size_t)i * parts * hq * 2, parts, hq, d / 16, bf16);
     free(scratch);
     return 0;
 }
