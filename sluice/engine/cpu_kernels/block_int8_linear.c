@@ -198,6 +198,34 @@ void sluice_block_widen(const uint8_t *packed, int64_t N, int64_t K, int fmt, vo
 }
 
 /* Row m of x into nb blocks of codes (xq, nb * 32 bytes), their scales and their code sums. */
+#if HAVE_VNNI
+/* Two vectors a block: the same products, rounded the same way (VCVTPS2DQ rounds to nearest even
+ * as nearbyintf does in the default mode), so the same codes as the portable loop below. */
+static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t k0 = b * KB, n = K - k0 < KB ? K - k0 : KB;
+        const __mmask32 in = n == KB ? 0xffffffffu : (1u << n) - 1; /* k past K reads as 0 */
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            const __mmask16 m = (__mmask16)(in >> (16 * h));
+            if (bf16) {
+                const __m256i raw = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k0 + 16 * h);
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v[h] = _mm512_maskz_loadu_ps(m, (const float *)x + k0 + 16 * h);
+            }
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const __m512 inv = _mm512_set1_ps(amax >= TINY_BLOCK ? 127.0f / amax : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
+        _mm_storeu_si128((__m128i *)(xq + k0), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(xq + k0 + 16), _mm512_cvtepi32_epi8(q1));
+        xs[b] = amax >= TINY_BLOCK ? amax / 127.0f : 0.0f;
+        xsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+#else
 static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
     for (int64_t b = 0; b < nb; b++) {
         float v[KB];
@@ -219,6 +247,7 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
         xsum[b] = sum;
     }
 }
+#endif
 
 #if HAVE_VNNI
 /* mr rows of quantized x against np panels: 16 * np columns of those rows. */
