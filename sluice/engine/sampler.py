@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sluice.engine.draws import uniform
@@ -104,15 +105,13 @@ class Sampler:
                 x[_index(guided, device)] += bias
 
         greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-        # max().indices, not argmax(): the same first index of the maximum, 2.5x faster on the
-        # CPU over a vocabulary-wide row (0.86 against 2.2 ms for 64 rows of 49,152)
         if len(greedy) == n:
-            tokens = x.max(dim=-1).indices
+            tokens = _row_argmax(x)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=device)
             if greedy:
                 rows = _index(greedy, device)
-                tokens[rows] = x[rows].max(dim=-1).indices
+                tokens[rows] = _row_argmax(x[rows])
             drawn = [i for i, p in enumerate(params) if p.temperature != 0]
             rows = _index(drawn, device)
             sub = x if len(drawn) == n else x[rows]
@@ -126,6 +125,15 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             _fill_logprobs(logprobs, x, tokens, params)
         return SamplerOutput(tokens.tolist(), logprobs)
+
+
+def _row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum (a NaN counts as the maximum), int64 [N]. On the CPU
+    numpy's vectorized argmax: ~4 us for one row of 49,152 against ~43 for torch's max().indices
+    (itself 2.5x faster than torch's argmax over 64 such rows)."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.max(dim=-1).indices
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
