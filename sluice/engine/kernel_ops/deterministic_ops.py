@@ -13,9 +13,9 @@ threads ran it.
   softmax; keys past a row's position are masked to exact no-ops, so a token attends the same
   whether it is a decode, in a first prefill, a later chunk or after a prefix-cache hit (the
   decode kernel's two-pass softmax would give other bits);
-- rotary: cos and sin from a table filled in fixed chunks of positions (torch computes a tensor's
-  last elements with scalar code and the rest with vector code, so the same position could
-  otherwise round differently in a step of another size);
+- rotary: cos and sin from a table filled in fixed chunks of positions (`ChunkedRope`, as the
+  native family does: torch computes a tensor's last elements with scalar code and the rest with
+  vector code, so the same position could otherwise round differently in a step of another size);
 - RMSNorm, SiLU, the KV write: the native kernels, one row at a time already;
 - the sampler: torch's row-wise softmax, cumsum and top-k, one random word per row.
 
@@ -27,52 +27,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..rope import RotaryEmbedding
 from ..step_plan import AttentionSpec, StepPlan, prefill_rows
 from ..weights import BlockInt8Linear, FixedOrderLinear
-from .base import RopeTables
 from .native_ops import NativeOps, c_attention_served
 
-ROPE_CHUNK = 128  # positions computed together; small enough that torch never splits the work
 
-
-class ChunkedRope:
-    """Rotary cos and sin from a table filled in fixed chunks of positions, so that a position
-    gets the same bits in a step of any size (torch computes a tensor's last elements with scalar
-    code and the rest with vector code)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by id of the rotary
-
-    def rotary_tables(self, rotary: RotaryEmbedding, positions, dtype) -> RopeTables:
-        cos, sin = self._table(rotary, int(positions.max()) + 1 if positions.numel() else 0)
-        return cos[positions], sin[positions]
-
-    def _table(self, rotary: RotaryEmbedding, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [>= length, D/2] float32 on the rotary's device, extended a chunk of
-        positions at a time."""
-        parts = self._rope.get(id(rotary))
-        have = 0 if parts is None else parts[0].shape[0]
-        if parts is not None and have >= length:
-            return parts
-        parts_c, parts_s = ([parts[0]], [parts[1]]) if parts is not None else ([], [])
-        device = rotary.inv_freq.device
-        for start in range(have, length, ROPE_CHUNK):
-            chunk = torch.arange(start, start + ROPE_CHUNK, device=device)
-            c, s = rotary.cos_sin(chunk, torch.float32)
-            parts_c.append(c.squeeze(1))
-            parts_s.append(s.squeeze(1))
-        table = torch.cat(parts_c), torch.cat(parts_s)
-        self._rope[id(rotary)] = table
-        return table
-
-
-class DeterministicOps(ChunkedRope, NativeOps):
+class DeterministicOps(NativeOps):
     name = "deterministic"
     weight_layout = "fixed-order"
 

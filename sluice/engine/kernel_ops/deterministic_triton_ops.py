@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..paged_cache import LayerKVCache
 from ..step_plan import AttentionSpec, StepPlan, token_rows
 from ..weights import Linear
-from .deterministic_ops import ChunkedRope
+from .chunked_rope import ChunkedRope
 from .triton_ops import TritonOps
 
 ATTENTION_BLOCK_N = 16  # keys a tile: one for every call, whatever the context lengths

@@ -1,12 +1,12 @@
 """The native family (the CPU default where a C compiler built them): the C kernels of
 `cpu_kernels` for the KV write, decode and prefill attention on the cache in place (float32 or
 bfloat16 models, on a cache of the model's type or an int8 one, read directly), RMSNorm with the
-residual add, rotary and SiLU-and-multiply, int8 weights multiplied as stored
-(`block_int8_linear`); torch (oneDNN) for the float matmuls, and the sampler. Where every matmul
-weight is packed for a C kernel (int8 or int4 weights), a step's whole stack of layers is one C
-call (`decoder_layers`: the same kernels, the same bits, no Python between them). A step with
-enough rows may widen a quantized weight to bfloat16 for a oneDNN matmul instead, where the engine
-measured that faster (`widen_rows`, `widen_probe`).
+residual add, rotary (cos and sin from a table: `ChunkedRope`) and SiLU-and-multiply, int8
+weights multiplied as stored (`block_int8_linear`); torch (oneDNN) for the float matmuls, and the
+sampler. Where every matmul weight is packed for a C kernel (int8 or int4 weights), a step's whole
+stack of layers is one C call (`decoder_layers`: the same kernels, the same bits, no Python
+between them). A step with enough rows may widen a quantized weight to bfloat16 for a oneDNN
+matmul instead, where the engine measured that faster (`widen_rows`, `widen_probe`).
 
 Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
 takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
@@ -28,6 +28,7 @@ from ..cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and
 from ..paged_cache import LayerKVCache
 from ..step_plan import AttentionSpec, StepPlan, decode_rows, prefill_rows
 from .base import RopeTables
+from .chunked_rope import ChunkedRope
 from .torch_ops import TorchOps, plan_sdpa_prefills, sdpa_prefills
 
 
@@ -45,11 +46,12 @@ def c_attention_served(spec: AttentionSpec) -> tuple[bool, bool]:
     return served, served and paged_prefill.supports(q, cache)
 
 
-class NativeOps(TorchOps):
+class NativeOps(ChunkedRope, TorchOps):
     name = "native"
     int8_format = "blocks"  # multiplied as stored by `cpu_kernels.block_int8_linear`
 
     def __init__(self) -> None:
+        super().__init__()
         # by id of the model's layer list: its layers as one C call, or None where they cannot be
         self._stacks: dict[int, LayerStack | None] = {}
         # (N, K) of a quantized weight -> the rows from which a bfloat16 step widens it for a
@@ -136,10 +138,6 @@ class NativeOps(TorchOps):
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return add_rmsnorm_native(x, residual, weight, eps)
-
-    def rotary_tables(self, rotary, positions, dtype) -> RopeTables:
-        cos, sin = rotary.cos_sin(positions, torch.float32)
-        return cos.squeeze(1), sin.squeeze(1)
 
     def rotary(self, q, k, tables: RopeTables):
         rotary_native_(q, k, *tables)
