@@ -147,12 +147,18 @@ def build_step_plan(
         bt[i, : len(t)] = t
     qsl = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(qlens, out=qsl[1:])
-    seq_of_tok = np.repeat(np.arange(b), qlens)
-    pos = np.arange(qsl[-1]) - qsl[:-1][seq_of_tok] + (slens - qlens)[seq_of_tok]
-    slots = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
+    decodes_only = bool((qlens == 1).all())
+    if decodes_only:  # one new token a sequence: token i is sequence i's
+        pos = slens - 1
+        slots = bt[np.arange(b), pos // block_size] * block_size + pos % block_size
+    else:
+        seq_of_tok = np.repeat(np.arange(b), qlens)
+        pos = np.arange(qsl[-1]) - qsl[:-1][seq_of_tok] + (slens - qlens)[seq_of_tok]
+        slots = bt[seq_of_tok, pos // block_size] * block_size + pos % block_size
+    device = torch.device(device)
 
     def dev(a):
-        return torch.from_numpy(a).to(device)
+        return _on(torch.from_numpy(a), device)
 
     return StepPlan(
         positions=dev(pos),
@@ -170,23 +176,35 @@ def build_step_plan(
     )
 
 
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t (on the CPU) on `device`; on the CPU itself without a call into torch's dispatcher."""
+    return t if device.type == "cpu" else t.to(device)
+
+
 def decode_rows(plan: StepPlan) -> DecodeRows | None:
     """The step's decodes for a decode kernel (on the plan's device), or None if it has none."""
     qlens = plan.query_lens_host
+    tables, lens = plan.block_tables_host, plan.seq_lens_host
+    device = plan.block_tables.device
+
+    def dev(a, dtype):
+        return _on(torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)), device)
+
+    if len(qlens) and (qlens == 1).all():  # decodes only: row i is token i
+        return DecodeRows(
+            dev(np.arange(len(qlens)), np.int64),
+            dev(tables, np.int32),
+            dev(lens, np.int32),
+            int(lens.max()),
+        )
     dec = np.flatnonzero(qlens == 1)
     if not len(dec):
         return None
-    device = plan.block_tables.device
     qsl = plan.query_starts_host()
-    tables, lens = plan.block_tables_host, plan.seq_lens_host
-
-    def dev(a, dtype):
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-
     return DecodeRows(
-        dev(qsl[dec], torch.long),
-        dev(tables[dec], torch.int32),
-        dev(lens[dec], torch.int32),
+        dev(qsl[dec], np.int64),
+        dev(tables[dec], np.int32),
+        dev(lens[dec], np.int32),
         int(lens[dec].max()),
     )
 
