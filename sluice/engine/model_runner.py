@@ -149,6 +149,17 @@ class ModelRunner:
         self.copy_blocks(inputs.block_copies)
         if not inputs.token_ids:
             return None
+        if all(n == 1 for n in inputs.query_lens):  # decodes only: one call where the family can
+            hidden = self.model.ops.forward_decodes(
+                self.model,
+                self.attention,
+                inputs.token_ids,
+                inputs.seq_lens,
+                inputs.block_tables,
+                self.kv_caches,
+            )
+            if hidden is not None:
+                return hidden
         plan = self.plan(inputs.query_lens, inputs.seq_lens, inputs.block_tables)
         return self.model.forward_embedded(self.embed(inputs.token_ids), plan, self.kv_caches)
 

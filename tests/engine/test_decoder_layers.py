@@ -2,8 +2,10 @@
 layer-by-layer path: the same sampled tokens and the same logprobs, exactly, over chunked
 prefills, mixed prefill/decode steps, prefix-cache hits and random batch mates, for int8 and int4
 weights in float32 and bfloat16, an int8 KV cache, attention and o_proj biases, a sliding window,
-and deterministic mode's fixed-order weights. Each case also checks that the one call really ran
-(and the layer-by-layer path really did not)."""
+and deterministic mode's fixed-order weights; steps of decodes only run from token ids to the final
+norm in one call (`DecodeForward`: the embedding, from a table, a packed int8 head or int8 rows,
+and the final norm too). Each case also checks that the one calls really ran (and the
+layer-by-layer path really did not)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from _hf_models import build
 from test_engine_kernels import engine
 
+from sluice.engine.cpu_kernels.decode_forward import DecodeForward
 from sluice.engine.cpu_kernels.decoder_layers import LayerStack
 from sluice.engine.kernel_ops.native_ops import NativeOps
 from sluice.engine.sampling_params import SamplingParams
@@ -61,21 +64,30 @@ def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
     kind, overrides, config = CASES[name]
     build(kind, **{**D64, **overrides}).save_pretrained(tmp_path)
     config = dict(block_size=16, max_num_batched_tokens=48, device="cpu", **config)
-    calls = {"stack": 0}
-    run = LayerStack.run
+    calls = {"stack": 0, "decodes": 0}
+    run, run_decodes = LayerStack.run, DecodeForward.run
 
     def counted(self, *args):
         calls["stack"] += 1
         return run(self, *args)
 
+    def counted_decodes(self, *args):
+        calls["decodes"] += 1
+        return run_decodes(self, *args)
+
     monkeypatch.setattr(LayerStack, "run", counted)
+    monkeypatch.setattr(DecodeForward, "run", counted_decodes)
     stacked = _outputs(engine(tmp_path, "native", **config))
     assert calls["stack"] > 0, "the one call never ran"
+    # steps of decodes only run from token ids to the final norm in one call (deterministic mode
+    # sends decodes through the prefill kernel: the model's forward)
+    assert (calls["decodes"] > 0) == (not config.get("deterministic")), calls
 
     monkeypatch.setattr(NativeOps, "run_layers", lambda self, *a: None)
-    calls["stack"] = 0
+    monkeypatch.setattr(NativeOps, "forward_decodes", lambda self, *a: None)
+    calls.update(stack=0, decodes=0)
     layered = _outputs(engine(tmp_path, "native", **config))
-    assert calls["stack"] == 0
+    assert calls == {"stack": 0, "decodes": 0}
     assert stacked == layered
 
 

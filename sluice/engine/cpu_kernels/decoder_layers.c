@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 /* The kernels this runs, from the library's other sources. */
 int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *out,
                              int64_t out_stride, int64_t M, int64_t N, int64_t K, int bf16, int fmt, int num_threads);
@@ -143,6 +145,76 @@ int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const slui
         sluice_silu_and_mul(gu, 2 * I, act, I, (int)T, (int)I, s->bf16, nt);
         if ((rc = matmul(&L->down, act, I, x_out, T, H, I, s)) != 0) break;
         x = x_out, res = res_out;
+    }
+    free(scratch);
+    return rc;
+}
+
+int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids, int64_t T, void *out,
+                           int bf16);
+
+/* Where a step's token embeddings come from. */
+#define EMBED_TABLE 0     /* a [vocab, H] table in the activations' type: rows copied */
+#define EMBED_BLOCKS 1    /* a tied LM head's packed int8 [vocab, H] matrix: rows dequantized */
+#define EMBED_ROWS_INT8 2 /* int8 codes [vocab, H] and a float32 scale a row (`Int8Embedding`) */
+
+typedef struct {
+    const void *data;
+    const float *scales; /* EMBED_ROWS_INT8's */
+    int64_t vocab, kind;
+} sluice_embedding;
+
+/* Row `id` of an EMBED_ROWS_INT8 table as torch computes it in the model's type: code and scale
+ * each in that type, their product rounded to it. */
+static void int8_row(const sluice_embedding *e, int64_t id, int64_t H, int bf16, void *out) {
+    const int8_t *codes = (const int8_t *)e->data + id * H;
+    if (bf16) {
+        const float scale = bf16_to_float(float_to_bf16(e->scales[id]));
+        for (int64_t k = 0; k < H; k++) ((uint16_t *)out)[k] = float_to_bf16((float)codes[k] * scale);
+    } else {
+        for (int64_t k = 0; k < H; k++) ((float *)out)[k] = (float)codes[k] * e->scales[id];
+    }
+}
+
+/* A step of decodes from token ids to the final norm's output, in one call: what the model's
+ * forward does around the layer stack (the embedding lookup, the rotary tables' rows, the final
+ * norm) with the same kernels, so the same bits, and none of the Python between them. `step` as
+ * for sluice_decoder_layers but for cos and sin, which are taken here from the rotary tables
+ * ([positions, D/2], float32) at each token's position. out: [rows, H]. Returns 0, -1 where
+ * scratch memory could not be had, -3 for a token id outside the vocabulary, or the first
+ * failing kernel's code. */
+int sluice_decode_forward(const sluice_layer *layers, int num_layers, const sluice_step *step,
+                          const sluice_embedding *embed, const int64_t *ids, const int64_t *positions,
+                          const float *cos_table, const float *sin_table, const void *final_norm, void *out) {
+    const int64_t T = step->rows, H = step->hidden, half = step->head_dim / 2, elem = step->bf16 ? 2 : 4;
+    if (T == 0) return 0;
+    /* x, the last layer's x, its residual [T, H]; then cos and sin [T, D/2] */
+    char *scratch = malloc((size_t)(3 * T * H * elem) + sizeof(float) * (size_t)(2 * T * half));
+    if (scratch == NULL) return -1;
+    char *x = scratch, *x_last = x + T * H * elem, *res = x_last + T * H * elem;
+    float *cos = (float *)(res + T * H * elem), *sin = cos + T * half;
+    int rc = 0;
+    if (embed->kind == EMBED_BLOCKS) {
+        if (sluice_block_int8_rows(embed->data, embed->vocab, H, ids, T, x, step->bf16) != 0) rc = -3;
+    } else {
+        for (int64_t t = 0; t < T && rc == 0; t++) {
+            if (ids[t] < 0 || ids[t] >= embed->vocab) rc = -3;
+            else if (embed->kind == EMBED_ROWS_INT8) int8_row(embed, ids[t], H, step->bf16, x + t * H * elem);
+            else memcpy(x + t * H * elem, (const char *)embed->data + ids[t] * H * elem, (size_t)(H * elem));
+        }
+    }
+    if (rc == 0) {
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(cos + t * half, cos_table + positions[t] * half, sizeof(float) * (size_t)half);
+            memcpy(sin + t * half, sin_table + positions[t] * half, sizeof(float) * (size_t)half);
+        }
+        sluice_step s = *step;
+        s.cos = cos, s.sin = sin;
+        rc = sluice_decoder_layers(layers, num_layers, &s, x, NULL, x_last, res);
+        /* the final norm of x + residual; the sum it also gives goes to x, no longer needed */
+        if (rc == 0)
+            sluice_add_rmsnorm(x_last, H, res, H, x, H, final_norm, s.eps, out, H, (int)T, (int)H, s.bf16,
+                               s.num_threads);
     }
     free(scratch);
     return rc;

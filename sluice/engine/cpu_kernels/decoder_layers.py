@@ -112,7 +112,7 @@ class LayerStack:
             weights.append(packed)
         return cls(layers, weights) if weights else None
 
-    def _layers(self, caches: Sequence[LayerKVCache]) -> ctypes.Array:
+    def layer_table(self, caches: Sequence[LayerKVCache]) -> ctypes.Array:
         """The C layer table; its cache pointers are rebuilt only if the caches moved."""
         key = tuple(c.k.data_ptr() for c in caches)
         if self._table is not None and self._table[0] == key:
@@ -131,6 +131,32 @@ class LayerStack:
         self._table = (key, table)
         return table
 
+    def step(
+        self,
+        rows: int,
+        block_size: int,
+        window: int | None,
+        cache_dtype: torch.dtype,
+        dtype: torch.dtype,
+    ) -> _Step:
+        """The C step structure for `rows` tokens, its shapes filled in; the caller adds the rotary
+        tables, the slots and the attention rows."""
+        return _Step(
+            rows=rows,
+            hidden=self.hidden,
+            heads=self.hq,
+            kv_heads=self.hkv,
+            head_dim=self.d,
+            inter=self.inter,
+            block_size=block_size,
+            eps=self.eps,
+            scale=self.scale,
+            window=window or 0,
+            cache_kind=CACHE_KINDS[cache_dtype],
+            bf16=int(dtype == torch.bfloat16),
+            num_threads=torch.get_num_threads(),
+        )
+
     def run(
         self,
         x: torch.Tensor,
@@ -145,24 +171,8 @@ class LayerStack:
         x = x.contiguous()
         cos, sin = (r.reshape(t, -1).to(torch.float32).contiguous() for r in rope)
         slots = plan.slot_mapping.to(torch.int64).contiguous()
-        s = _Step(
-            rows=t,
-            hidden=self.hidden,
-            heads=self.hq,
-            kv_heads=self.hkv,
-            head_dim=self.d,
-            inter=self.inter,
-            block_size=plan.block_size,
-            eps=self.eps,
-            scale=self.scale,
-            window=plan.sliding_window or 0,
-            cache_kind=CACHE_KINDS[caches[0].k.dtype],
-            bf16=int(x.dtype == torch.bfloat16),
-            num_threads=torch.get_num_threads(),
-            cos=cos.data_ptr(),
-            sin=sin.data_ptr(),
-            slots=slots.data_ptr(),
-        )
+        s = self.step(t, plan.block_size, plan.sliding_window, caches[0].k.dtype, x.dtype)
+        s.cos, s.sin, s.slots = cos.data_ptr(), sin.data_ptr(), slots.data_ptr()
         keep = [cos, sin, slots]  # alive until the call returns
         if (d := plan.decodes) is not None:
             bt, lens, tokens = (a.contiguous() for a in (d.block_tables, d.seq_lens, d.tokens))
@@ -183,7 +193,7 @@ class LayerStack:
             s.prefill_seq_lens, s.prefill_block_tables = lens.data_ptr(), bt.data_ptr()
         x_out, res_out = torch.empty_like(x), torch.empty_like(x)
         rc = require_library().sluice_decoder_layers(
-            self._layers(caches),
+            self.layer_table(caches),
             len(self.layers),
             ctypes.byref(s),
             x.data_ptr(),

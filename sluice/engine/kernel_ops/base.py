@@ -109,6 +109,21 @@ class KernelOps(ABC):
         model runs the layers one by one."""
         return None
 
+    def forward_decodes(
+        self,
+        model: nn.Module,
+        spec: AttentionSpec,
+        token_ids: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        caches: Sequence[LayerKVCache],
+    ) -> torch.Tensor | None:
+        """A step of decodes only (sequence i's one new token token_ids[i], its context
+        seq_lens[i] tokens in blocks block_tables[i]) from token ids to the final norm's output
+        [n, H], in one call, where the family has one for this model: the same bits as the
+        model's forward. None: the model's forward runs."""
+        return None
+
     @abstractmethod
     def draw(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], words: Sequence[int]
