@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -175,6 +175,23 @@ class ModelRunner:
         """Run the batch's new tokens (after its block copies); float32 logits
         [num sampled seqs, V], rows in the order of the seqs with sample=True."""
         inputs = self.step_inputs(batch)
+        decodes = bool(inputs.token_ids) and all(n == 1 for n in inputs.query_lens)
+        if decodes and all(batch.sample) and not self.model.sharded:
+            # token ids to logits in one call where the family has one (a lone request's step
+            # then has no Python between its kernels)
+            self.copy_blocks(inputs.block_copies)
+            logits = self.model.ops.forward_decodes(
+                self.model,
+                self.attention,
+                inputs.token_ids,
+                inputs.seq_lens,
+                inputs.block_tables,
+                self.kv_caches,
+                logits=True,
+            )
+            if logits is not None:
+                return logits.float()
+            inputs = replace(inputs, block_copies=[])  # made just now
         hidden = self.forward(inputs)
         if hidden is None:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)

@@ -84,7 +84,7 @@ def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
     assert (calls["decodes"] > 0) == (not config.get("deterministic")), calls
 
     monkeypatch.setattr(NativeOps, "run_layers", lambda self, *a: None)
-    monkeypatch.setattr(NativeOps, "forward_decodes", lambda self, *a: None)
+    monkeypatch.setattr(NativeOps, "forward_decodes", lambda self, *a, **kw: None)
     calls.update(stack=0, decodes=0)
     layered = _outputs(engine(tmp_path, "native", **config))
     assert calls == {"stack": 0, "decodes": 0}

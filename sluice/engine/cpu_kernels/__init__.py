@@ -289,7 +289,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_block_widen": (None, [ptr, i64, i64, i32, ptr, i32, i32]),
         # the layer table and the step as decoder_layers.py's structures
         "sluice_decoder_layers": (i32, [ptr, i32, ptr, ptr, ptr, ptr, ptr]),
-        "sluice_decode_forward": (i32, [ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
+        "sluice_decode_forward": (
+            i32,
+            [ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -1,13 +1,15 @@
 """A step of decodes, from token ids to the final norm's output, in one native call
 (`sluice_decode_forward` in `decoder_layers.c`): the embedding lookup, the rotary tables' rows,
-the layer stack (`LayerStack`) and the final norm, with the kernels the model's forward runs
-through the native family, so the same bits. What goes is the Python around the stack: the step
-plan, the embedding, the rotary rows, the stack's arguments and the final norm cost a lone
-request ~0.4 ms of a ~3.5 ms step (the caches cold after the step's weights streamed through
-them), against ~0.05 for the few numpy arrays built here.
+the layer stack (`LayerStack`), the final norm and, where it is packed for C, the LM head, with
+the kernels the model's forward runs through the native family, so the same bits. What goes is
+the Python around the stack: the step plan, the embedding, the rotary rows, the stack's
+arguments, the final norm and the LM head's call cost a lone request ~0.4 ms of a ~3.5 ms step
+(the caches cold after the step's weights streamed through them), against ~0.05 for the few
+arrays built here.
 
     forward = DecodeForward.of(model, stack)    # None where the embedding is not served
     hidden = forward.run(token_ids, seq_lens, block_tables, caches, block_size, window, rope)
+    logits = forward.run(..., logits=True)      # the LM head too, where it is packed for C
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import require_library
-from .decoder_layers import LayerStack
+from .decoder_layers import LayerStack, c_weight
 
 if TYPE_CHECKING:
     from ..paged_cache import LayerKVCache
@@ -51,6 +53,7 @@ class DecodeForward:
         self.stack = stack
         self.embedding = embedding
         self.dtype = model.dtype
+        self.head = c_weight(model.lm_head)  # None: the LM head is not packed for a C kernel
 
     @classmethod
     def of(cls, model: Any, stack: LayerStack) -> DecodeForward | None:
@@ -93,10 +96,14 @@ class DecodeForward:
         block_size: int,
         window: int | None,
         rope: tuple[torch.Tensor, torch.Tensor],
+        logits: bool = False,
     ) -> torch.Tensor:
         """Sequence i's new token token_ids[i] at position seq_lens[i] - 1, its context in the
         blocks block_tables[i]; rope: the float32 cos and sin tables [positions, D/2], positions
-        up to max(seq_lens) - 1 included -> final-norm hidden states [n, H]."""
+        up to max(seq_lens) - 1 included -> final-norm hidden states [n, H]; with `logits` (where
+        `head` is not None), the LM head's output [n, V] in the model's type instead."""
+        if logits and self.head is None:
+            raise ValueError("this model's LM head is not packed for a C kernel")
         # plain lists into C arrays (`array`): at a few sequences, several times cheaper than
         # numpy's small-array operations, and no slower where the step is large
         n = len(token_ids)
@@ -124,6 +131,10 @@ class DecodeForward:
         s.decode_seq_lens = _address(lens)
         cos, sin = rope
         out = torch.empty(n, self.stack.hidden, dtype=self.dtype)
+        vocab = self.model.config.vocab_size
+        head, head_out = None, None
+        if logits and self.head is not None:
+            head, head_out = ctypes.byref(self.head), torch.empty(n, vocab, dtype=self.dtype)
         rc = require_library().sluice_decode_forward(
             self.stack.layer_table(caches),
             len(self.stack.layers),
@@ -135,6 +146,9 @@ class DecodeForward:
             sin.data_ptr(),
             self.model.norm.data_ptr(),
             out.data_ptr(),
+            head,
+            vocab,
+            head_out.data_ptr() if head_out is not None else None,
         )
         if rc == -3:
             raise IndexError(f"a token id outside [0, {self.embedding.vocab})")
@@ -142,4 +156,4 @@ class DecodeForward:
             raise MemoryError(f"decode forward: no memory for the scratch rows of {n} tokens")
         if rc != 0:
             raise RuntimeError(f"decode forward: a kernel failed with code {rc}")
-        return out
+        return out if head_out is None else head_out

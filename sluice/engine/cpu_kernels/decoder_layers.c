@@ -178,14 +178,16 @@ static void int8_row(const sluice_embedding *e, int64_t id, int64_t H, int bf16,
 
 /* A step of decodes from token ids to the final norm's output, in one call: what the model's
  * forward does around the layer stack (the embedding lookup, the rotary tables' rows, the final
- * norm) with the same kernels, so the same bits, and none of the Python between them. `step` as
- * for sluice_decoder_layers but for cos and sin, which are taken here from the rotary tables
- * ([positions, D/2], float32) at each token's position. out: [rows, H]. Returns 0, -1 where
+ * norm, and the LM head where `head` is not NULL) with the same kernels, so the same bits, and none
+ * of the Python between them. `step` as for sluice_decoder_layers but for cos and sin, which are
+ * taken here from the rotary tables ([positions, D/2], float32) at each token's position. out:
+ * [rows, H]; logits: [rows, vocab], in the activations' type. Returns 0, -1 where
  * scratch memory could not be had, -3 for a token id outside the vocabulary, or the first
  * failing kernel's code. */
 int sluice_decode_forward(const sluice_layer *layers, int num_layers, const sluice_step *step,
                           const sluice_embedding *embed, const int64_t *ids, const int64_t *positions,
-                          const float *cos_table, const float *sin_table, const void *final_norm, void *out) {
+                          const float *cos_table, const float *sin_table, const void *final_norm, void *out,
+                          const sluice_weight *head, int64_t vocab, void *logits) {
     const int64_t T = step->rows, H = step->hidden, half = step->head_dim / 2, elem = step->bf16 ? 2 : 4;
     if (T == 0) return 0;
     /* x, the last layer's x, its residual [T, H]; then cos and sin [T, D/2] */
@@ -215,6 +217,7 @@ int sluice_decode_forward(const sluice_layer *layers, int num_layers, const slui
         if (rc == 0)
             sluice_add_rmsnorm(x_last, H, res, H, x, H, final_norm, s.eps, out, H, (int)T, (int)H, s.bf16,
                                s.num_threads);
+        if (rc == 0 && head != NULL) rc = matmul(head, out, H, logits, T, vocab, H, &s);
     }
     free(scratch);
     return rc;

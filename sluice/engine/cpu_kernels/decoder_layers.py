@@ -74,7 +74,7 @@ class _Step(ctypes.Structure):
     ]
 
 
-def _weight(layer: torch.nn.Module) -> _Weight | None:
+def c_weight(layer: torch.nn.Module) -> _Weight | None:
     """A linear layer's weight as the C call takes it; None where it is not packed for C."""
     packed = getattr(layer, "packed", None)
     bias = getattr(layer, "bias", None)
@@ -105,7 +105,7 @@ class LayerStack:
         """The stack, or None where some layer's matmul weight is not packed for a C kernel."""
         layers, weights = list(layers), []
         for layer in layers:
-            parts = [_weight(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            parts = [c_weight(m) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
             packed = tuple(w for w in parts if w is not None)
             if len(packed) < len(parts):
                 return None

@@ -117,11 +117,13 @@ class KernelOps(ABC):
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         caches: Sequence[LayerKVCache],
+        logits: bool = False,
     ) -> torch.Tensor | None:
         """A step of decodes only (sequence i's one new token token_ids[i], its context
         seq_lens[i] tokens in blocks block_tables[i]) from token ids to the final norm's output
-        [n, H], in one call, where the family has one for this model: the same bits as the
-        model's forward. None: the model's forward runs."""
+        [n, H], or with `logits` to the LM head's [n, V] in the model's type, in one call, where
+        the family has one for this model: the same bits as the model's forward and
+        `compute_logits`. None: the model's forward runs."""
         return None
 
     @abstractmethod

@@ -55,7 +55,7 @@ class DeterministicOps(NativeOps):
         # run every sequence through the prefill kernel (`check` made sure it serves the model)
         return replace(step, attention=spec, prefills=prefill_rows(step, min_query_len=1))
 
-    def forward_decodes(self, model, spec, token_ids, seq_lens, block_tables, caches):
+    def forward_decodes(self, model, spec, token_ids, seq_lens, block_tables, caches, logits=False):
         return None  # decodes go through the prefill kernel (`plan`), by the model's forward
 
     def linear(self, x, layer: nn.Module):

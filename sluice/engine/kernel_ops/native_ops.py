@@ -145,7 +145,7 @@ class NativeOps(ChunkedRope, TorchOps):
         stack = self._stack(layers, plan.spec, x.shape[0])
         return None if stack is None else stack.run(x, plan, caches, rope)
 
-    def forward_decodes(self, model, spec, token_ids, seq_lens, block_tables, caches):
+    def forward_decodes(self, model, spec, token_ids, seq_lens, block_tables, caches, logits=False):
         if model.sharded:
             return None  # the ranks add their partial sums between layers
         stack = self._stack(model.layers, spec, len(token_ids))
@@ -155,11 +155,13 @@ class NativeOps(ChunkedRope, TorchOps):
         if key not in self._decode_forwards:
             self._decode_forwards[key] = DecodeForward.of(model, stack)
         forward = self._decode_forwards[key]
-        if forward is None:
+        if forward is None or (logits and forward.head is None):
             return None
         rope = self._table(model.rotary, max(seq_lens))
         window = model.config.sliding_window
-        return forward.run(token_ids, seq_lens, block_tables, caches, spec.block_size, window, rope)
+        return forward.run(
+            token_ids, seq_lens, block_tables, caches, spec.block_size, window, rope, logits
+        )
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return add_rmsnorm_native(x, residual, weight, eps)
