@@ -1,5 +1,6 @@
 """Turns a ScheduledBatch into a step plan and tensors, runs one forward over the flat batch,
-returns logits.
+returns logits. A step of decodes only goes from token ids to logits in one call where the kernel
+family has one (`KernelOps.forward_decodes`), with the same bits.
 
 It owns the paged KV cache: per layer a `LayerKVCache`, K and V of [num_blocks, Hkv, block_size, D]
 (`attention.kv_cache_shape`) in the model dtype, or quantized with per-block-and-head scales.
