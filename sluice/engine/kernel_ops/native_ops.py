@@ -7,8 +7,8 @@ sampler. Where every matmul weight is packed for a C kernel (int8 or int4 weight
 stack of layers is one C call (`decoder_layers`: the same kernels, the same bits, no Python
 between them), and a step of decodes only is one C call from token ids to the final norm, or to
 the logits (`forward_decodes`: the embedding, the rotary rows, the final norm and the LM head
-too). A step with enough rows may widen a quantized weight to bfloat16 for a oneDNN matmul instead, where the engine
-measured that faster (`widen_rows`, `widen_probe`).
+too). A step with enough rows may widen a quantized weight to bfloat16 for a oneDNN matmul
+instead, where the engine measured that faster (`widen_rows`, `widen_probe`).
 
 Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
 takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
