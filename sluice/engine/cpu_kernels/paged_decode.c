@@ -120,10 +120,10 @@ static inline int follows(const int32_t *table, int b) { return table[b] == tabl
 
 /* One sequence's positions first .. len-1, its KV heads h0 .. h1-1 (all of them, or one where
  * a few sequences are spread over the threads by head), for block_size 16 and D = 16 * nv: a
- * block's K (then V) rows of every KV head are one contiguous run of memory, read once and used by
- * all G queries of each head. kind: what the cache holds (simd.h); an int8 one has one float32 scale per (block, KV head)
- * in k_scale / v_scale ([num_blocks, Hkv]): the K scale multiplies a block's scores, the V scale
- * its weights. bf16: q and out are bfloat16 (else float32). Scratch: qs, Hq * D floats (the
+ * block's K (then V) rows of every KV head are one contiguous run of memory, read once and used
+ * by all G queries of each head. kind: what the cache holds (simd.h); an int8 one has one float32
+ * scale per (block, KV head) in k_scale / v_scale ([num_blocks, Hkv]): the K scale multiplies a
+ * block's scores, the V scale its weights. bf16: q and out are bfloat16 (else float32). Scratch: qs, Hq * D floats (the
  * queries, scaled); acc, Hq * D floats (the outputs before the division); scores, Hq rows of
  * `stride` floats, kept per whole block from base = first rounded down to the block. With `part`
  * (a part of a context split over threads, see `merge_parts`), the rows' float32 sums before the
