@@ -53,7 +53,9 @@ class DecodeForward:
         self.stack = stack
         self.embedding = embedding
         self.dtype = model.dtype
-        self.head = c_weight(model.lm_head)  # None: the LM head is not packed for a C kernel
+        # the LM head as the C call takes it and its rows; None: not packed for a C kernel
+        self.head = c_weight(model.lm_head)
+        self.vocab = model.lm_head.packed.n if self.head is not None else 0
 
     @classmethod
     def of(cls, model: Any, stack: LayerStack) -> DecodeForward | None:
@@ -131,10 +133,9 @@ class DecodeForward:
         s.decode_seq_lens = _address(lens)
         cos, sin = rope
         out = torch.empty(n, self.stack.hidden, dtype=self.dtype)
-        vocab = self.model.config.vocab_size
         head, head_out = None, None
         if logits and self.head is not None:
-            head, head_out = ctypes.byref(self.head), torch.empty(n, vocab, dtype=self.dtype)
+            head, head_out = ctypes.byref(self.head), torch.empty(n, self.vocab, dtype=self.dtype)
         rc = require_library().sluice_decode_forward(
             self.stack.layer_table(caches),
             len(self.stack.layers),
@@ -147,7 +148,7 @@ class DecodeForward:
             self.model.norm.data_ptr(),
             out.data_ptr(),
             head,
-            vocab,
+            self.vocab,
             head_out.data_ptr() if head_out is not None else None,
         )
         if rc == -3:
