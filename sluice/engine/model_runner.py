@@ -150,19 +150,24 @@ class ModelRunner:
         self.copy_blocks(inputs.block_copies)
         if not inputs.token_ids:
             return None
-        if all(n == 1 for n in inputs.query_lens):  # decodes only: one call where the family can
-            hidden = self.model.ops.forward_decodes(
-                self.model,
-                self.attention,
-                inputs.token_ids,
-                inputs.seq_lens,
-                inputs.block_tables,
-                self.kv_caches,
-            )
-            if hidden is not None:
-                return hidden
+        hidden = self._forward_decodes(inputs) if _decodes_only(inputs) else None
+        if hidden is not None:
+            return hidden
         plan = self.plan(inputs.query_lens, inputs.seq_lens, inputs.block_tables)
         return self.model.forward_embedded(self.embed(inputs.token_ids), plan, self.kv_caches)
+
+    def _forward_decodes(self, inputs: StepInputs, logits: bool = False) -> torch.Tensor | None:
+        """A decodes-only step's hidden states (or logits) in one call where the kernel family
+        has one (`KernelOps.forward_decodes`); None: it has not."""
+        return self.model.ops.forward_decodes(
+            self.model,
+            self.attention,
+            inputs.token_ids,
+            inputs.seq_lens,
+            inputs.block_tables,
+            self.kv_caches,
+            logits=logits,
+        )
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """The step's tokens embedded [T, H]."""
@@ -176,20 +181,11 @@ class ModelRunner:
         """Run the batch's new tokens (after its block copies); float32 logits
         [num sampled seqs, V], rows in the order of the seqs with sample=True."""
         inputs = self.step_inputs(batch)
-        decodes = bool(inputs.token_ids) and all(n == 1 for n in inputs.query_lens)
-        if decodes and all(batch.sample) and not self.model.sharded:
+        if _decodes_only(inputs) and all(batch.sample) and not self.model.sharded:
             # token ids to logits in one call where the family has one (a lone request's step
             # then has no Python between its kernels)
             self.copy_blocks(inputs.block_copies)
-            logits = self.model.ops.forward_decodes(
-                self.model,
-                self.attention,
-                inputs.token_ids,
-                inputs.seq_lens,
-                inputs.block_tables,
-                self.kv_caches,
-                logits=True,
-            )
+            logits = self._forward_decodes(inputs, logits=True)
             if logits is not None:
                 return logits.float()
             inputs = replace(inputs, block_copies=[])  # made just now
@@ -207,3 +203,8 @@ class ModelRunner:
         return self.model.compute_logits(
             hidden.index_select(0, torch.tensor(last, device=self.device))
         )
+
+
+def _decodes_only(inputs: StepInputs) -> bool:
+    """Whether the step has tokens and every sequence adds exactly one."""
+    return bool(inputs.token_ids) and all(n == 1 for n in inputs.query_lens)
