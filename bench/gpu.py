@@ -35,7 +35,8 @@ Sections, in order:
            Outputs are checked for full coverage: NaN-filled `out=` buffers where a kernel takes
            one, else the allocator's next block is filled with NaN bytes first (best effort).
   engine   LLMEngine on a Llama-3-8B-shaped model with random bf16 weights made on the GPU:
-           variants triton / torch kernels, int8 weights, fp8 KV cache, deterministic mode; batch 1
+           variants triton / torch kernels, triton with decode steps replayed from CUDA graphs
+           (`--cuda-graphs`), int8 weights, fp8 KV cache, deterministic mode; batch 1
            and 64, prompts of 128 tokens, 64 timed decode steps after a few warm-up steps; even rows
            greedy (their tokens are compared across variants), odd rows sampled (temperature 0.8,
            top-k 50, top-p 0.95, seeded), so the sampling kernel runs too. Time per step against the

@@ -17,6 +17,8 @@ from gpu_common import Ctx, MissingKernel, cuda_healthy, log
 
 ENGINE_VARIANTS = {  # name -> EngineConfig fields
     "triton": {"kernels": "triton"},
+    # decode steps captured per batch size and replayed (its buckets up to the largest batch run)
+    "graphs": {"kernels": "triton", "cuda_graphs": True, "max_num_seqs": 64},
     "torch": {"kernels": "torch"},
     "int8": {"kernels": "triton", "quantization": "int8"},
     "kv-fp8": {"kernels": "triton", "kv_cache_dtype": "fp8"},
@@ -24,7 +26,7 @@ ENGINE_VARIANTS = {  # name -> EngineConfig fields
     # fixed-order matmuls, every token through the decode attention kernel (what the mode costs)
     "deterministic": {"kernels": "triton", "deterministic": True},
 }
-DEFAULT_ENGINE_VARIANTS = ("triton", "torch", "int8", "kv-fp8", "deterministic")
+DEFAULT_ENGINE_VARIANTS = ("triton", "graphs", "torch", "int8", "kv-fp8", "deterministic")
 SMOKE_ENGINE_VARIANTS = ("triton", "torch", "int8", "kv-int8")  # fp8 KV caches are CUDA-only
 
 
@@ -210,7 +212,7 @@ def engine_variant(
             first = row.pop("first_tokens")
             if variant == "triton":
                 tokens_seen[batch] = first
-            elif batch in tokens_seen and variant == "torch":
+            elif batch in tokens_seen and variant in ("torch", "graphs"):
                 ref = tokens_seen[batch]
                 # greedy rows: token 1 comes from the prefill, token 2 from the first decode step
                 pairs = list(zip(first, ref))[::2]

@@ -87,6 +87,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "never takes a core from a step (default: every CPU, shared)",
     )
     group.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture decode steps once per batch size as CUDA graphs at start and replay them: "
+        "a small batch's step becomes one launch instead of ~10 a layer (CUDA, triton kernels)",
+    )
+    group.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -111,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         deterministic=args.deterministic,
         tensor_parallel_size=args.tensor_parallel_size,
         engine_cpus=args.engine_cpus,
+        cuda_graphs=args.cuda_graphs,
     )
 
 

@@ -202,6 +202,9 @@ class EngineConfig:
     # The CPUs the engine computes on, one thread each (`cpus`); None: torch's threads on every
     # CPU the process may use, shared with the rest of it
     engine_cpus: tuple[int, ...] | None = None
+    # Decode steps captured once per batch size as CUDA graphs and replayed (`captured_decode`;
+    # CUDA and the triton kernels only)
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.quantization not in QUANTIZATIONS:
@@ -235,6 +238,17 @@ class EngineConfig:
                 "engine_cpus does not run with tensor_parallel_size > 1: the ranks divide the "
                 "machine's threads among themselves",
                 field="engine_cpus",
+            )
+        if self.cuda_graphs and self.device != "auto" and not str(self.device).startswith("cuda"):
+            raise ConfigError(
+                f"cuda_graphs captures decode steps on a CUDA device, not on {self.device!r}",
+                field="cuda_graphs",
+            )
+        if self.cuda_graphs and tp > 1:
+            raise ConfigError(
+                "cuda_graphs does not run with tensor_parallel_size > 1: the ranks' all-reduce "
+                "runs between the layers, outside any graph",
+                field="cuda_graphs",
             )
         if tp > 1 and self.deterministic:
             # an all-reduce adds the ranks' partial sums in an order of its own, and provenance

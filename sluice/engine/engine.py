@@ -100,6 +100,12 @@ class LLMEngine:
         self.ops = resolve_kernel_ops(
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
+        if self.config.cuda_graphs and self.ops.name != "triton":
+            raise ConfigError(
+                f"cuda_graphs captures the triton kernels' decode steps, not the {self.ops.name} "
+                "family's",
+                field="cuda_graphs",
+            )
         quantization = self.config.quantization
         if quantization not in (None, "auto") and quantization not in self.ops.quantizations:
             raise ConfigError(
@@ -227,7 +233,8 @@ class LLMEngine:
             "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s, kernels %s; "
             "weights %.0f MiB (%s; %.0f MiB as plain %s tensors); KV cache %d blocks x %d tokens "
             "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); "
-            "max_model_len %d; max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s",
+            "max_model_len %d; max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s, "
+            "CUDA graphs %s",
             seconds,
             self.model_id,
             self.model_config.architecture,
@@ -250,6 +257,7 @@ class LLMEngine:
             c.max_num_batched_tokens,
             c.max_num_seqs,
             "on" if c.enable_prefix_caching else "off",
+            "on" if c.cuda_graphs else "off",
         )
         p = self.provenance
         log.info(

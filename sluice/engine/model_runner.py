@@ -1,6 +1,7 @@
 """Turns a ScheduledBatch into a step plan and tensors, runs one forward over the flat batch,
 returns logits. A step of decodes only goes from token ids to logits in one call where the kernel
-family has one (`KernelOps.forward_decodes`), with the same bits.
+family has one (`KernelOps.forward_decodes`), with the same bits, or as a replayed CUDA graph
+where the engine captured them (`captured_decode`).
 
 It owns the paged KV cache: per layer a `LayerKVCache`, K and V of [num_blocks, Hkv, block_size, D]
 (`attention.kv_cache_shape`) in the model dtype, or quantized with per-block-and-head scales.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .attention import kv_cache_shape
+from .captured_decode import CapturedDecode
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError
 from .model import CausalLM
@@ -108,6 +110,16 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.attention = AttentionSpec.of(config, model.dtype, self.kv_caches[0])
+        # decode steps replayed from CUDA graphs (`captured_decode`), where configured
+        self.captured: CapturedDecode | None = None
+        if engine_config.cuda_graphs:
+            self.captured = CapturedDecode(
+                model,
+                self.attention,
+                self.kv_caches,
+                engine_config.max_num_seqs,
+                engine_config.max_model_len or config.max_position_embeddings,
+            )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy-on-write of a shared last block)."""
@@ -185,7 +197,13 @@ class ModelRunner:
             # token ids to logits in one call where the family has one (a lone request's step
             # then has no Python between its kernels)
             self.copy_blocks(inputs.block_copies)
-            logits = self._forward_decodes(inputs, logits=True)
+            logits = None
+            if self.captured is not None:
+                logits = self.captured.logits(
+                    inputs.token_ids, inputs.seq_lens, inputs.block_tables
+                )
+            if logits is None:
+                logits = self._forward_decodes(inputs, logits=True)
             if logits is not None:
                 return logits.float()
             inputs = replace(inputs, block_copies=[])  # made just now
