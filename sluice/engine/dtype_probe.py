@@ -138,7 +138,8 @@ def _cache_key(shapes, ops: KernelOps, quantization: str | None) -> str:
 
 
 def read_cache(path: Path) -> dict:
-    """A start-up measurement's cache file (this probe's, `widen_probe`'s): key -> result."""
+    """A per-machine cache file of what a start computes once (this probe's, `widen_probe`'s
+    measurements, `provenance`'s weight digests): key -> result."""
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

@@ -3,8 +3,11 @@ template by content hash, the software, and every setting and piece of hardware 
 numerics. Two runs with equal provenance (and the same request and seed) are expected to give the
 same tokens in deterministic mode; `sluice replay` names the fields that differ when they do not.
 
-Computed once per engine (`engine_provenance`); hashing the weight files costs a read of them
-(about a tenth of a second for the default model)."""
+Computed once per engine (`engine_provenance`). Hashing the weight files costs a read of them at
+~1.5 GB/s (a tenth of a second for the default model, ten seconds for 16 GB of bfloat16), so the
+digest is kept per machine, by each file's path, size and modification time
+(`weights_sha256.json` in `cpu_kernels.cache_root()`), and a start with the same files reads none
+of them again."""
 
 from __future__ import annotations
 
@@ -110,24 +113,45 @@ def _widened_from_rows(engine: LLMEngine) -> dict[str, int] | None:
     return {f"{n}x{k}": m for (n, k), m in sorted(rows.items())} if rows else None
 
 
-def weights_sha256(source: str, tensors: dict[str, torch.Tensor]) -> str:
+def weights_sha256(
+    source: str, tensors: dict[str, torch.Tensor], cache_dir: Path | None = None
+) -> str:
     """sha256 of the files the weights were read from: a file itself; for a directory, each
-    *.safetensors file's name and bytes in name order. Weights that came from no file (built in
-    memory) are hashed as their tensors, by name."""
+    *.safetensors file's name and bytes in name order (kept per machine: the module's
+    docstring). Weights that came from no file (built in memory) are hashed as their tensors, by
+    name."""
     path = Path(source)
-    digest = hashlib.sha256()
-    if path.is_file():
-        _hash_file(digest, path)
-    elif path.is_dir() and any(path.glob("*.safetensors")):
-        for f in sorted(path.glob("*.safetensors")):
-            digest.update(f.name.encode() + b"\0")
-            _hash_file(digest, f)
-    else:
+    files = (
+        [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    )
+    if not files:
+        digest = hashlib.sha256()
         for name in sorted(tensors):
             t = tensors[name].detach().cpu().contiguous()
             digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
             digest.update(t.view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+    from .cpu_kernels import cache_root
+    from .dtype_probe import read_cache, write_cache
+
+    key = "|".join(_file_identity(f) for f in files)
+    cache = (cache_dir or cache_root()) / "weights_sha256.json"
+    known = read_cache(cache).get(key)
+    if known is not None:
+        return known["sha256"]
+    digest = hashlib.sha256()
+    for f in files:
+        if path.is_dir():  # a directory's files are named in the digest too
+            digest.update(f.name.encode() + b"\0")
+        _hash_file(digest, f)
+    write_cache(cache, key, {"sha256": digest.hexdigest()})
     return digest.hexdigest()
+
+
+def _file_identity(path: Path) -> str:
+    """A file as the digest cache knows it: rewritten, it has another size or time."""
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
 def tokenizer_sha256(tokenizer: Tokenizer | None) -> str | None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
 
+from sluice.engine import provenance
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.loader.default import default_model_path
+from sluice.engine.provenance import weights_sha256
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +72,39 @@ def test_another_setting_is_named_among_the_differences(engine):
     }
     assert engine.provenance.differences(engine.provenance.to_dict()) == {}
     assert recorded["weights_sha256"] == engine.provenance.weights_sha256
+
+
+def test_a_weights_digest_is_read_once_until_its_files_change(tmp_path, monkeypatch):
+    reads = []
+    hash_file = provenance._hash_file
+    monkeypatch.setattr(
+        provenance, "_hash_file", lambda digest, path: (reads.append(path), hash_file(digest, path))
+    )
+    cache = tmp_path / "cache"
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"a" * 1000)
+    first = weights_sha256(str(model), {}, cache)
+    assert first == hashlib.sha256(b"a" * 1000).hexdigest() and len(reads) == 1
+    assert weights_sha256(str(model), {}, cache) == first and len(reads) == 1
+    # rewritten in place with as many bytes: its time tells
+    model.write_bytes(b"b" * 1000)
+    later = model.stat().st_mtime_ns + 10**9
+    os.utime(model, ns=(later, later))
+    assert weights_sha256(str(model), {}, cache) == hashlib.sha256(b"b" * 1000).hexdigest()
+    assert len(reads) == 2
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "b.safetensors").write_bytes(b"second")
+    (folder / "a.safetensors").write_bytes(b"first")
+    want = hashlib.sha256(b"a.safetensors\0first" + b"b.safetensors\0second").hexdigest()
+    assert weights_sha256(str(folder), {}, cache) == want
+    assert weights_sha256(str(folder), {}, cache) == want and len(reads) == 4
+    (folder / "c.safetensors").write_bytes(b"third")  # a file more: hashed again
+    assert (
+        weights_sha256(str(folder), {}, cache)
+        == hashlib.sha256(
+            b"a.safetensors\0first" + b"b.safetensors\0second" + b"c.safetensors\0third"
+        ).hexdigest()
+    )
+    assert len(reads) == 7
