@@ -25,9 +25,8 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from sluice.connectors.kafka_broker import metadata_ok
-from sluice.connectors.redis_server import redis_ping
-from sluice.connectors.settings import ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL, StackSettings
+# (the Kafka and Redis helpers are imported where the integration fixtures use them: the engine's
+# tests then run where only the engine's own packages are installed, as on a GPU machine)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +58,10 @@ def _docker_engine_answers() -> bool:
 
 
 def _default_stack_answers() -> bool:
+    from sluice.connectors.kafka_broker import metadata_ok
+    from sluice.connectors.redis_server import redis_ping
+    from sluice.connectors.settings import StackSettings
+
     defaults = StackSettings()
     return asyncio.run(metadata_ok(defaults.bootstrap_servers, timeout=3)) and asyncio.run(
         redis_ping(defaults.redis_url, timeout=2)
@@ -97,6 +100,10 @@ def _local_stack():
 
 @pytest.fixture(scope="session")
 def endpoints():
+    from sluice.connectors.kafka_broker import metadata_ok
+    from sluice.connectors.redis_server import redis_ping
+    from sluice.connectors.settings import ENV_KAFKA_BOOTSTRAP, ENV_REDIS_URL, StackSettings
+
     env_kafka = os.environ.get(ENV_KAFKA_BOOTSTRAP)
     env_redis = os.environ.get(ENV_REDIS_URL)
     if env_kafka and env_redis:
