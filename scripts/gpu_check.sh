@@ -6,7 +6,7 @@
 #     scripts/gpu_check.sh [OUTDIR]     # logs and JSON in OUTDIR (default bench/results)
 #
 # Needs python3 with PyTorch (CUDA), Triton, numpy, transformers and pytest: the engine's own
-# packages. Nothing of Kafka's or Redis's is imported. About 9 minutes on an H200: each part has
+# packages. Nothing of Kafka's or Redis's is imported. At most seven minutes: each part has
 # its own time limit, so a hang in one still leaves the other's results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +24,12 @@ EOF
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "no CUDA device: nothing to check"; exit 2; }
 
 # bench/gpu.py keeps to --budget-s and ends itself --grace-s after it, writing what it measured
-timeout 330 "$py" bench/gpu.py --budget-s 240 --grace-s 40 --json "$out/gpu.json" 2>&1 \
+timeout 240 "$py" bench/gpu.py --budget-s 180 --grace-s 30 --json "$out/gpu.json" 2>&1 \
     | tee "$out/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 
 # the tests whose cases run on CUDA when it is there (the rest of the suite is the CPU's)
-timeout 200 "$py" -m pytest -q -p no:cacheprovider -p no:asyncio -rfEs \
+timeout 180 "$py" -m pytest -q -p no:cacheprovider -p no:asyncio -rfEs \
     tests/engine/kernels/test_norm.py tests/engine/kernels/test_activation.py \
     tests/engine/kernels/test_rotary.py tests/engine/kernels/test_kv_cache.py \
     tests/engine/kernels/test_paged_attention.py tests/engine/kernels/test_int8_linear.py \
