@@ -19,6 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice.connectors.topics import delete_topics_with_prefix
+
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".sluice" / "bench-logs"
 
@@ -110,7 +112,9 @@ class Cluster:
                 raise SystemExit(f"{scheduler} did not hear {count} runners")
             await asyncio.sleep(0.3)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """The processes stopped (SIGTERM, then SIGKILL after 90 s), then the run's topics
+        deleted."""
         for p in self.processes.values():
             if p.proc.poll() is None:
                 p.proc.send_signal(signal.SIGTERM)
@@ -120,6 +124,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait(30)
+        await delete_topics_with_prefix(self.bootstrap, self.prefix)
 
 
 @dataclass

@@ -106,7 +106,7 @@ async def run_topology(args, topology: str) -> dict:
                 await asyncio.sleep(args.long_every)
             await reader
     finally:
-        cluster.stop()
+        await cluster.stop()
     window_end = max(client.streams[b["request_id"]].final_read for b in longs)
     gaps, tpots, late = [], [], 0
     for rid in decode_ids:

@@ -48,6 +48,7 @@ from cpu_meter import Timed
 from pipeline_plot import plot_pipeline
 
 from sluice.cli.generate import cpu_list_arg
+from sluice.connectors.topics import delete_topics_with_prefix
 from sluice.engine.cpus import allowed_cpus, bind_this_thread
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,6 +264,7 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str], delivery
     finally:
         proc.terminate()
         proc.wait(60)
+        await delete_topics_with_prefix(args.bootstrap_servers, prefix)  # a broker's topics pile up
     ttft = [first[r] - sent[r] for r in sent]
     tpot = [(final[r][0] - first[r]) / max(1, final[r][1] - 1) for r in sent]
     name = "pipeline via Kafka" + (", exactly-once" if delivery == "exactly-once" else "")

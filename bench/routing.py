@@ -97,7 +97,7 @@ async def run_policy(args, policy: str) -> dict:
             wall = max(client.streams[rid].final_read for rid in ids) - start
         after = finished_per_runner(cluster, runners)
     finally:
-        cluster.stop()
+        await cluster.stop()
     finals = [client.streams[rid].final for rid in ids]
     cached = sum(f["usage"]["cached_tokens"] for f in finals)
     prompt = sum(f["usage"]["prompt_tokens"] for f in finals)

@@ -1,4 +1,5 @@
-"""Creating the pipeline's topics with the partition counts it is configured for.
+"""Creating the pipeline's topics with the partition counts it is configured for (and deleting
+a run's topics by their prefix, for benchmarks).
 
 The broker of the local stack does not create topics on first use (and production brokers
 often must not), so the pipeline creates its own at start. Running it again is harmless: topics
@@ -133,6 +134,27 @@ def _topic_errors(response) -> list[tuple[str, int, str | None]]:
     return [
         (item[0], item[1], item[2] if len(item) > 2 else None) for item in response.topic_errors
     ]
+
+
+async def delete_topics_with_prefix(
+    bootstrap_servers: str, prefix: str, timeout: float = 30.0
+) -> list[str]:
+    """Delete every topic named `prefix` + "." + anything (what one `--topic-prefix` run made;
+    benchmarks clean up after themselves so a long-lived broker does not pile up topics, whose
+    metadata every client then reads); returns the names deleted."""
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap_servers,
+        request_timeout_ms=int(timeout * 1000),
+        **kafka_client_options(),
+    )
+    await admin.start()
+    try:
+        names = sorted(t for t in await admin.list_topics() if t.startswith(prefix + "."))
+        if names:
+            await admin.delete_topics(names, timeout_ms=int(timeout * 1000))
+    finally:
+        await admin.close()
+    return names
 
 
 async def partitions_of(bootstrap_servers: str, topic: str) -> list[int]:

@@ -15,7 +15,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from sluice.connectors.kafka_consumer import RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
-from sluice.connectors.topics import ensure_topics
+from sluice.connectors.topics import delete_topics_with_prefix, ensure_topics
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +104,26 @@ async def test_ensure_topics_creates_missing_tolerates_existing_and_warns_on_few
     finally:
         await admin.close()
     assert described == {three: 3, one: 1}
+
+
+async def test_a_runs_topics_are_deleted_by_their_prefix_and_no_others(bootstrap_servers):
+    prefix = unique("test.prune")
+    mine = [f"{prefix}.requests", f"{prefix}.tokens"]
+    neighbour = f"{prefix}x.requests"  # shares the characters, not the prefix
+    await ensure_topics(bootstrap_servers, {name: 1 for name in [*mine, neighbour]})
+    assert await delete_topics_with_prefix(bootstrap_servers, prefix) == mine
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while set(mine) & set(await admin.list_topics()):  # deletion completes asynchronously
+            assert loop.time() < deadline, "topics still listed 30 s after their deletion"
+            await asyncio.sleep(0.2)
+        assert neighbour in await admin.list_topics()
+    finally:
+        await admin.close()
+    assert await delete_topics_with_prefix(bootstrap_servers, prefix) == []
 
 
 async def test_producer_writes_keys_headers_in_order(bootstrap_servers):
