@@ -84,13 +84,12 @@ class CapturedDecode:
         self.block_tables = buffer((rows, width), torch.int32)
         self.row_ids = torch.arange(rows, dtype=torch.long, device=device)
         self.starts = torch.arange(rows + 1, dtype=torch.long, device=device)
-        # Host copies of the whole step, filled row by row and copied over in one go each.
+        # Host copies of the step's rows, copied over in one go each.
         self._host: dict[str, np.ndarray] = {
             "token_ids": np.zeros(rows, np.int64),
             "positions": np.zeros(rows, np.int64),
             "slots": np.full(rows, -1, np.int64),
             "seq_lens": np.ones(rows, np.int32),
-            "block_tables": np.zeros((rows, width), np.int32),
         }
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -121,24 +120,27 @@ class CapturedDecode:
         return out[:n].clone()
 
     def _fill(self, token_ids, seq_lens, block_tables, bucket: int) -> None:
-        """The step's rows into the static buffers, the rows after them up to `bucket` padding."""
+        """The step's rows into the static buffers, the rows after them up to `bucket` padding.
+        Of the block tables only the columns this step's contexts reach are written: the kernels
+        read no entry past a context's end, so older values there are never seen."""
         n, h, bs = len(token_ids), self._host, self.block_size
         lens = np.asarray(seq_lens, dtype=np.int64)
+        cols = max((len(t) for t in block_tables), default=1) or 1
+        tables = np.zeros((bucket, cols), np.int32)  # padding rows: block 0, one token of it
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
         h["token_ids"][:n] = token_ids
         h["positions"][:n] = lens - 1
         h["seq_lens"][:n] = lens
-        tables = h["block_tables"]
-        tables[:bucket] = 0
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = table
         last = (lens - 1) // bs
         h["slots"][:n] = tables[np.arange(n), last].astype(np.int64) * bs + (lens - 1) % bs
         h["token_ids"][n:bucket] = 0
         h["positions"][n:bucket] = 0
         h["seq_lens"][n:bucket] = 1
-        h["slots"][n:bucket] = -1
-        for name in ("token_ids", "positions", "slots", "seq_lens", "block_tables"):
+        h["slots"][n:bucket] = -1  # the KV write skips the row
+        for name in ("token_ids", "positions", "slots", "seq_lens"):
             getattr(self, name)[:bucket].copy_(torch.from_numpy(h[name][:bucket]))
+        self.block_tables[:bucket, :cols].copy_(torch.from_numpy(tables))
 
     def _plan(self, bucket: int) -> StepPlan:
         """A step of `bucket` decodes over the static buffers, as the triton family plans it."""
