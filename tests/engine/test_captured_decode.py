@@ -86,7 +86,7 @@ def test_padding_rows_write_nothing_and_real_rows_match_the_eager_step(tmp_path)
 
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    written = torch.zeros(runner.kv_caches[0].k.shape[0] * bs, dtype=torch.bool)
+    written = torch.zeros(runner.kv_caches[0].k.shape[0] * bs, dtype=torch.bool, device=DEVICE)
     for n, table in zip(seq_lens, tables):
         written[table[(n - 1) // bs] * bs + (n - 1) % bs] = True
     for cache, (k0, v0), (k1, v1) in zip(runner.kv_caches, start, after_replay):
