@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as Q
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import build_model, load_model
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
+from sluice.engine.loader.gguf_blocks import int4_blocks
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
 
 # --------------------------------------------------------------- reference block decoders (float64)
@@ -169,6 +170,22 @@ def test_dequantize_matches_reference(name, tmp_path):
             name, 0.4
         )
         assert np.abs(got - data).max() <= tol * np.abs(data).max() + 1e-7
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+def test_4_bit_values_from_the_blocks_are_the_dequantized_ones_bit_for_bit(name):
+    """The loader takes a Q4_0 or Q4_1 matrix's float values from the blocks it keeps (faster
+    than gguf's dequantization): they must be the very same floats (but the sign of Q4_0's
+    zeros: d q + m gives +0 where gguf's d (q - 8) gives -0 for a negative d)."""
+    qtype = Q[name]
+    raw, _ = _raw_tensor(qtype, (5, 256), np.random.default_rng(1))
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    want = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(5, 256)
+    got = int4_blocks(raw, name, (5, 256)).values()
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    if name == "Q4_1":
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_allclose(got, reference_dequantize(raw, qtype, (5, 256)), rtol=1e-6)
 
 
 def test_qk_permutation_matches_llama_cpp_rotary():

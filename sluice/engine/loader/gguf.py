@@ -216,12 +216,18 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         name = hf_name(t.name)
         if name is None:
             continue
-        w = dequantize(t, source)
         stored = None
         if t.name.startswith("blk.") and name.endswith("_proj.weight"):
             types[name] = t.tensor_type.name
             if t.tensor_type.name in FOUR_BIT_TYPES:
-                stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, w.shape)
+                k, n = (int(d) for d in t.shape)  # GGUF lists dims fastest-first
+                stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k))
+        if stored is not None and t.tensor_type.name in ("Q4_0", "Q4_1"):
+            # the same float32 values as gguf's dequantization (d q + m; Q4_0's m = -8 d is
+            # exact, only its zeros may be +0 where gguf's are -0), in half its time
+            w = stored.values()
+        else:
+            w = dequantize(t, source)
         if gguf_arch in PERMUTED_QK:
             heads = None
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):

@@ -41,6 +41,13 @@ class Int4Blocks:
             torch.cat([p.m for p in parts]),
         )
 
+    def values(self) -> np.ndarray:
+        """The matrix as float32 [N, K]: d q + m, computed in float32."""
+        n, k = self.codes.shape
+        codes = self.codes.view(n, k // BLOCK, BLOCK).float()
+        w = codes * self.d.float()[..., None] + self.m.float()[..., None]
+        return w.view(n, k).numpy()
+
     def rows_permuted(self, permute) -> Int4Blocks:
         """The rows reordered by `permute` (a function of a [rows, ...] array)."""
         return Int4Blocks(
