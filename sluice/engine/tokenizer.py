@@ -182,7 +182,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any, path: str | None = None) -> Tokenizer:
-        """Build the tokenizer from a `gguf.GGUFReader`'s metadata."""
+        """Build the tokenizer from a GGUF file's metadata (`loader.gguf_file.GGUFFile`, or a
+        `gguf.GGUFReader`)."""
         return cls.from_gguf_metadata(reader.fields, path=path or str(getattr(reader, "path", "")))
 
     @classmethod

@@ -85,8 +85,6 @@ def load_model(
 def load_tokenizer(path: str | os.PathLike | None = None) -> tuple[Tokenizer, ModelConfig]:
     """The tokenizer and configuration of a model, without reading its weights (for processes
     that only tokenize)."""
-    from gguf import GGUFReader
-
     from ..tokenizer import Tokenizer
     from . import default, gguf, hf
 
@@ -104,7 +102,12 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> tuple[Tokenizer, Mo
                 f"{p}: not a model directory (no config.json) nor one .gguf file", field="model"
             )
         p = ggufs[0]
-    reader = GGUFReader(str(p))
+    from .gguf_file import GGUFFile, GGUFFormatError
+
+    try:
+        reader = GGUFFile(p)
+    except (OSError, GGUFFormatError) as e:
+        raise ModelError(f"{p}: cannot read GGUF file: {e}", field="model") from e
     return Tokenizer.from_gguf(reader, str(p)), gguf.read_config(reader, str(p))[0]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ from ..config import ModelConfig, torch_dtype
 from ..errors import ModelError
 from .gguf_blocks import FOUR_BIT_TYPES, int4_blocks
 from .tensor_names import check_tensors
+
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
 
 # Types we dequantize (through gguf.quants, checked against our own block decoders in the tests).
 SUPPORTED_TYPES = (
@@ -100,8 +103,7 @@ class _Meta:
         self.reader, self.source = reader, source
 
     def get(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.reader.fields.get(key, default)
 
     def need(self, key: str):
         v = self.get(key)
@@ -110,7 +112,7 @@ class _Meta:
         return v
 
 
-def read_config(reader, source: str) -> tuple[ModelConfig, str]:
+def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
     m = _Meta(reader, source)
     gguf_arch = m.need("general.architecture")
     if gguf_arch not in ARCHITECTURES:
@@ -199,14 +201,13 @@ def read_config(reader, source: str) -> tuple[ModelConfig, str]:
 
 
 def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
-    import gguf
-
     from . import LoadedModel
+    from .gguf_file import GGUFFile, GGUFFormatError
 
     source = str(path)
     try:
-        reader = gguf.GGUFReader(source)
-    except Exception as e:  # the reader raises ValueError/struct errors on a damaged file
+        reader = GGUFFile(source)
+    except (OSError, GGUFFormatError) as e:
         raise ModelError(f"{source}: cannot read GGUF file: {e}", field="model") from e
     config, gguf_arch = read_config(reader, source)
     target = torch.float32 if dtype is None else torch_dtype(dtype)
