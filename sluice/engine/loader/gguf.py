@@ -239,8 +239,10 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
                 w = unpermute_qk(w, heads)
                 if stored is not None:
                     stored = stored.rows_permuted(lambda a, h=heads: unpermute_qk(a, h))
-        # copy: F32 tensors are views of the read-only memory map
-        tensors[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(target)
+        w = np.asarray(w, dtype=np.float32)
+        if not (w.flags.c_contiguous and w.flags.writeable):  # F32 tensors view the file's map
+            w = np.array(w, order="C")
+        tensors[name] = torch.from_numpy(w).to(target)
         if stored is not None:
             blocks[name] = stored
     check_tensors(config, tensors, source)
