@@ -20,7 +20,7 @@ from .captured_decode import CapturedDecode
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError
 from .model import CausalLM
-from .paged_cache import LayerKVCache, bytes_per_block
+from .paged_cache import LayerKVCache, bytes_per_block, reserve_in_background
 from .step_plan import AttentionSpec, StepPlan, build_step_plan
 
 # CPU default KV budget when EngineConfig.kv_cache_bytes is None: a fifth of the memory the OS
@@ -110,6 +110,7 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.attention = AttentionSpec.of(config, model.dtype, self.kv_caches[0])
+        self.reserving = reserve_in_background([t for c in self.kv_caches for t in c.tensors()])
         # decode steps replayed from CUDA graphs (`captured_decode`), where configured
         self.captured: CapturedDecode | None = None
         if engine_config.cuda_graphs:

@@ -9,13 +9,20 @@ keeps outliers of one head or one stretch of context from costing the others pre
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
+import os
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .config import ModelConfig
+
+log = logging.getLogger("sluice.engine")
 
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -29,8 +36,8 @@ class LayerKVCache:
 
     @classmethod
     def allocate(cls, shape: tuple[int, int, int, int], dtype: torch.dtype, device) -> LayerKVCache:
-        k = zeros_on_first_touch(shape, dtype, device)
-        v = zeros_on_first_touch(shape, dtype, device)
+        k = lazy_zeros(shape, dtype, device)
+        v = lazy_zeros(shape, dtype, device)
         if dtype not in QUANTIZED_KV_DTYPES:
             return cls(k, v)
         scales = shape[:2]
@@ -61,11 +68,11 @@ class LayerKVCache:
         return iter((self.k, self.v))
 
 
-def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A tensor of zeros. On the CPU its memory is an anonymous mapping that the OS zero-fills a
-    page at a time when first touched: a cache of gigabytes costs nothing at start and counts in
-    the process's resident memory only as its blocks are used. (torch.zeros writes every page
-    up front: 5.5 s of a 10 s start for the default 4 GiB budget on a 2-core machine.)"""
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU its memory is an anonymous mapping the kernel fills with
+    zero pages as they are first touched, so allocating costs nothing: torch.zeros wrote every
+    page of the default 4 GiB budget up front, 2-6 s of the start on a 2-core machine. The model
+    runner then reserves the pages in the background (`reserve_in_background`)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
@@ -74,6 +81,48 @@ def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device) -> 
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     # (the tensor holds a reference to the mapping: it is unmapped with the last view of it)
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Fault in a CPU tensor's pages writable without changing its contents (safe while other
+    threads write to it); False where the kernel cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    start = t.data_ptr() & ~(mmap.PAGESIZE - 1)
+    end = t.data_ptr() + t.numel() * t.element_size()
+    return libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+
+
+def reserve_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
+    """Reserve the pages of `lazy_zeros` CPU tensors in a thread of idle priority: it runs while
+    a core is free (at start, between requests), and a step that writes a page first only
+    faults it in itself. Once done the memory is the process's, as if allocated up front."""
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+    if not tensors:
+        return None
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        except (AttributeError, OSError):
+            pass
+        for t in tensors:
+            if not populate(t):
+                log.info("KV cache: pages are reserved as steps first write them (no populate)")
+                return
+        log.info(
+            "KV cache: %.0f MiB reserved in the background in %.1f s",
+            sum(t.numel() * t.element_size() for t in tensors) / 2**20,
+            time.monotonic() - started,
+        )
+
+    thread = threading.Thread(target=run, name="sluice-kv-reserve", daemon=True)
+    thread.start()
+    return thread
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

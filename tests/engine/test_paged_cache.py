@@ -1,5 +1,6 @@
-"""A layer's KV cache on the CPU: zeros that take memory only as their blocks are written, so the
-default budget of gigabytes costs neither start time nor resident memory until requests use it."""
+"""A layer's KV cache on the CPU: zeros allocated without touching a page (a budget of gigabytes
+costs no start time), then reserved in the background without disturbing what steps write
+meanwhile."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 
 import torch
 
-from sluice.engine.paged_cache import LayerKVCache
+from sluice.engine.paged_cache import LayerKVCache, populate, reserve_in_background
 
 MIB = 1 << 20
 
@@ -17,7 +18,7 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_a_cpu_cache_is_zeros_that_take_memory_as_blocks_are_written():
+def test_a_cpu_cache_is_zeros_that_take_no_memory_until_used():
     shape = (4096, 4, 16, 128)  # 64 MiB of bfloat16 for K, as much for V
     before = resident_bytes()
     cache = LayerKVCache.allocate(shape, torch.bfloat16, "cpu")
@@ -29,10 +30,24 @@ def test_a_cpu_cache_is_zeros_that_take_memory_as_blocks_are_written():
     assert torch.equal(cache.v[4000, 2].flatten(), torch.arange(16 * 128).to(torch.bfloat16))
     assert not cache.v[4000, 1].any() and not cache.v[4000, 3].any()
     assert resident_bytes() - before < 16 * MIB  # two blocks' pages, not 128 MiB
-
-    src, dst = torch.tensor([7]), torch.tensor([9])
-    cache.copy_blocks(src, dst)
+    cache.copy_blocks(torch.tensor([7]), torch.tensor([9]))
     assert torch.equal(cache.k[9], cache.k[7])
+
+
+def test_reserving_in_the_background_keeps_what_was_written():
+    shape = (2048, 4, 16, 128)  # 32 MiB each
+    cache = LayerKVCache.allocate(shape, torch.float16, "cpu")
+    before = resident_bytes()
+    cache.k[100].fill_(3.0)
+    thread = reserve_in_background(cache.tensors())
+    assert thread is not None
+    cache.v[2000].fill_(-2.0)  # a step writing while the pages are reserved
+    thread.join(60)
+    assert not thread.is_alive()
+    if populate(cache.k[:1]):  # where the kernel reserves pages (Linux 5.14+): all of them now
+        assert resident_bytes() - before >= 60 * MIB
+    assert cache.k[100].eq(3.0).all() and cache.v[2000].eq(-2.0).all()
+    assert not cache.k[:100].any() and not cache.k[101:].any() and not cache.v[:2000].any()
 
 
 def test_a_quantized_cpu_cache_starts_at_zero_with_zero_scales():
