@@ -301,6 +301,11 @@ def run_sluice(a) -> dict:
         prompt_token_ids=[p[:48] for p in prompts[:4]],
         params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
     )
+    reserving = getattr(engine.runner, "reserving", None)
+    if reserving is not None:  # the KV cache's pages, as a server up for a few seconds has them
+        t = time.perf_counter()
+        reserving.join()
+        log(f"sluice: KV cache reserved ({time.perf_counter() - t:.1f} s more)")
 
     log(f"sluice: single request, {len(single)} tokens in, {w['single_output_len']} out")
     single_params = SamplingParams(
