@@ -102,12 +102,7 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> tuple[Tokenizer, Mo
                 f"{p}: not a model directory (no config.json) nor one .gguf file", field="model"
             )
         p = ggufs[0]
-    from .gguf_file import GGUFFile, GGUFFormatError
-
-    try:
-        reader = GGUFFile(p)
-    except (OSError, GGUFFormatError) as e:
-        raise ModelError(f"{p}: cannot read GGUF file: {e}", field="model") from e
+    reader = gguf.open_gguf(p)
     return Tokenizer.from_gguf(reader, str(p)), gguf.read_config(reader, str(p))[0]
 
 

@@ -200,15 +200,22 @@ def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
     return config, gguf_arch
 
 
-def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
-    from . import LoadedModel
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's header (`gguf_file.GGUFFile`); a ModelError naming the file where it cannot
+    be read."""
     from .gguf_file import GGUFFile, GGUFFormatError
 
-    source = str(path)
     try:
-        reader = GGUFFile(source)
+        return GGUFFile(path)
     except (OSError, GGUFFormatError) as e:
-        raise ModelError(f"{source}: cannot read GGUF file: {e}", field="model") from e
+        raise ModelError(f"{path}: cannot read GGUF file: {e}", field="model") from e
+
+
+def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
+    from . import LoadedModel
+
+    source = str(path)
+    reader = open_gguf(source)
     config, gguf_arch = read_config(reader, source)
     target = torch.float32 if dtype is None else torch_dtype(dtype)
 
