@@ -42,11 +42,7 @@ async def ensure_topics(
     Returns only once each topic's partitions have leaders, so producers and consumers started
     right after do not see "unknown topic" errors. `config` applies to topics created here.
     """
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap_servers,
-        request_timeout_ms=int(timeout * 1000),
-        **kafka_client_options(),
-    )
+    admin = _admin(bootstrap_servers, timeout)
     await admin.start()
     try:
         existing = await _partition_counts(admin, list(topics))
@@ -89,6 +85,14 @@ async def ensure_topics(
                 wanted,
             )
     return counts
+
+
+def _admin(bootstrap_servers: str, timeout: float) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap_servers,
+        request_timeout_ms=int(timeout * 1000),
+        **kafka_client_options(),
+    )
 
 
 async def _partition_counts(
@@ -142,11 +146,7 @@ async def delete_topics_with_prefix(
     """Delete every topic named `prefix` + "." + anything (what one `--topic-prefix` run made;
     benchmarks clean up after themselves so a long-lived broker does not pile up topics, whose
     metadata every client then reads); returns the names deleted."""
-    admin = AIOKafkaAdminClient(
-        bootstrap_servers=bootstrap_servers,
-        request_timeout_ms=int(timeout * 1000),
-        **kafka_client_options(),
-    )
+    admin = _admin(bootstrap_servers, timeout)
     await admin.start()
     try:
         names = sorted(t for t in await admin.list_topics() if t.startswith(prefix + "."))
