@@ -10,6 +10,7 @@ keeps outliers of one head or one stretch of context from costing the others pre
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -86,14 +87,19 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tens
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
+@functools.cache
+def _madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
+
+
 def populate(t: torch.Tensor) -> bool:
     """Fault in a CPU tensor's pages writable without changing its contents (safe while other
     threads write to it); False where the kernel cannot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     start = t.data_ptr() & ~(mmap.PAGESIZE - 1)
     end = t.data_ptr() + t.numel() * t.element_size()
-    return libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+    return _madvise()(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
 def reserve_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
