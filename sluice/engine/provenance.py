@@ -140,12 +140,14 @@ def weights_sha256(
     if known is not None:
         return known["sha256"]
     digest = hashlib.sha256()
+    named = path.is_dir()  # a directory's files are named in the digest too
     for f in files:
-        if path.is_dir():  # a directory's files are named in the digest too
+        if named:
             digest.update(f.name.encode() + b"\0")
         _hash_file(digest, f)
-    write_cache(cache, key, {"sha256": digest.hexdigest()})
-    return digest.hexdigest()
+    sha256 = digest.hexdigest()
+    write_cache(cache, key, {"sha256": sha256})
+    return sha256
 
 
 def _file_identity(path: Path) -> str:
