@@ -304,7 +304,7 @@ def run_sluice(a) -> dict:
     reserving = getattr(engine.runner, "reserving", None)
     if reserving is not None:  # the KV cache's pages, as a server up for a few seconds has them
         t = time.perf_counter()
-        reserving.join()
+        reserving.wait()
         log(f"sluice: KV cache reserved ({time.perf_counter() - t:.1f} s more)")
 
     log(f"sluice: single request, {len(single)} tokens in, {w['single_output_len']} out")

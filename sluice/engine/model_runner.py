@@ -20,7 +20,8 @@ from .captured_decode import CapturedDecode
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError
 from .model import CausalLM
-from .paged_cache import LayerKVCache, bytes_per_block, reserve_in_background
+from .page_reservation import reserve_in_background
+from .paged_cache import LayerKVCache, bytes_per_block
 from .step_plan import AttentionSpec, StepPlan, build_step_plan
 
 # CPU default KV budget when EngineConfig.kv_cache_bytes is None: a fifth of the memory the OS
@@ -187,7 +188,10 @@ class ModelRunner:
         return self.model.embed_tokens(torch.tensor(token_ids, dtype=torch.long).to(self.device))
 
     def close(self) -> None:
-        """Let go of what the runner holds besides memory (a tensor-parallel one: its workers)."""
+        """Let go of what the runner holds besides memory: the thread reserving the KV cache's
+        pages (a tensor-parallel runner: its workers too)."""
+        if self.reserving is not None:
+            self.reserving.close()
 
     @torch.inference_mode()
     def execute(self, batch) -> torch.Tensor:

@@ -5,10 +5,14 @@ meanwhile."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 
 import torch
 
-from sluice.engine.paged_cache import LayerKVCache, populate, reserve_in_background
+from sluice.engine.page_reservation import populate, reserve_in_background
+from sluice.engine.paged_cache import LayerKVCache
 
 MIB = 1 << 20
 
@@ -39,15 +43,56 @@ def test_reserving_in_the_background_keeps_what_was_written():
     cache = LayerKVCache.allocate(shape, torch.float16, "cpu")
     before = resident_bytes()
     cache.k[100].fill_(3.0)
-    thread = reserve_in_background(cache.tensors())
-    assert thread is not None
+    reservation = reserve_in_background(cache.tensors())
+    assert reservation is not None
     cache.v[2000].fill_(-2.0)  # a step writing while the pages are reserved
-    thread.join(60)
-    assert not thread.is_alive()
+    assert reservation.wait(60)
+    assert reservation.state() == 1  # done, every page
     if populate(cache.k[:1]):  # where the kernel reserves pages (Linux 5.14+): all of them now
         assert resident_bytes() - before >= 60 * MIB
     assert cache.k[100].eq(3.0).all() and cache.v[2000].eq(-2.0).all()
     assert not cache.k[:100].any() and not cache.k[101:].any() and not cache.v[:2000].any()
+
+
+def test_reserving_needs_no_python_thread():
+    """At idle priority on busy cores a Python thread would be starved while holding the GIL,
+    and the engine's thread would wait for it."""
+    cache = LayerKVCache.allocate((4096, 4, 16, 128), torch.bfloat16, "cpu")
+    threads = set(threading.enumerate())
+    reservation = reserve_in_background(cache.tensors())
+    assert reservation is not None
+    assert set(threading.enumerate()) == threads
+    assert reservation.wait(60)
+
+
+def test_a_process_ends_cleanly_whatever_the_reservation_is_doing():
+    """Exit while the thread is still reserving (a cache of 1 GiB), or just as it ends."""
+    script = (
+        "import sys, torch\n"
+        "from sluice.engine.paged_cache import LayerKVCache\n"
+        "from sluice.engine.page_reservation import reserve_in_background\n"
+        "mib = int(sys.argv[1])\n"
+        "cache = LayerKVCache.allocate((mib * 64, 4, 16, 128), torch.bfloat16, 'cpu')\n"
+        "reservation = reserve_in_background(cache.tensors())\n"
+        "assert reservation is not None\n"
+        "print('reserving')\n"
+    )
+    for mib in (512, 512, 4, 4, 1):
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(mib)], capture_output=True, text=True, timeout=120
+        )
+        assert (done.returncode, done.stdout, done.stderr) == (0, "reserving\n", "")
+
+
+def test_a_closed_reservation_is_over():
+    from sluice.engine.page_reservation import Reservation
+
+    cache = LayerKVCache.allocate((64, 2, 16, 64), torch.bfloat16, "cpu")
+    reservation = reserve_in_background(cache.tensors())
+    assert isinstance(reservation, Reservation)
+    reservation.close()
+    assert reservation.done() and reservation.wait(0)
+    reservation.close()  # twice is fine
 
 
 def test_a_quantized_cpu_cache_starts_at_zero_with_zero_scales():

@@ -64,7 +64,12 @@ async def test_readiness_while_starting_and_latency_from_publish(bootstrap_serve
                 answers.append(answer)
             await asyncio.sleep(0.05)
         streams = await collect(bootstrap_servers, prefix, {"early"}, timeout=120)
-        samples = scrape(port)
+        # the streamer counts a request once its final is written: a reader may see it first
+        samples, counted_by = scrape(port), time.monotonic() + 30
+        while value(samples, "sluice_time_in_topic_seconds_count") == 0:
+            assert time.monotonic() < counted_by, "the request was never counted"
+            await asyncio.sleep(0.1)
+            samples = scrape(port)
     finally:
         process.stop()
 

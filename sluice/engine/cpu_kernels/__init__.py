@@ -1,4 +1,5 @@
-"""C kernels for the engine's hot path on the CPU, compiled on this machine at first use.
+"""C kernels for the engine's hot path on the CPU, compiled on this machine at first use (with
+`page_reserve.c`, the native thread that reserves a CPU KV cache's pages in the background).
 
 The sources (`*.c` beside this file) are built once with the system C compiler (`$CC`, else
 `cc`) for this CPU (`-march=native`) with OpenMP (`$SLUICE_NATIVE_CFLAGS` adds flags), and
@@ -36,6 +37,7 @@ SOURCES = (
     "fixed_order_linear.c",
     "block_int8_linear.c",
     "decoder_layers.c",
+    "page_reserve.c",
 )
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
@@ -287,6 +289,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_block_int8_dot_path": (i32, []),
         "sluice_block_int8_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
         "sluice_block_widen": (None, [ptr, i64, i64, i32, ptr, i32, i32]),
+        "sluice_reserve_start": (ptr, [ptr, ptr, i64, i64]),
+        "sluice_reserve_state": (i32, [ptr]),
+        "sluice_reserve_seconds": (ctypes.c_double, [ptr]),
+        "sluice_reserve_release": (None, [ptr]),
         # the layer table and the step as decoder_layers.py's structures
         "sluice_decoder_layers": (i32, [ptr, i32, ptr, ptr, ptr, ptr, ptr]),
         "sluice_decode_forward": (

@@ -276,4 +276,5 @@ class TensorParallelRunner(ModelRunner):
         return self.group.broadcast(super().embed(token_ids))
 
     def close(self) -> None:
+        super().close()
         self.workers.stop()
