@@ -547,6 +547,8 @@ class LLMEngine:
         A fault while serving the batch ends only the request that causes it (its final output
         has finish_reason "error" and says why); the others go on (`_isolate_fault`)."""
         outputs, self._pending = self._pending, []
+        if self.runner.reserving is not None and self.runner.reserving.done():
+            self.runner.reserving = None  # its thread has ended (done() logged how it went)
         try:
             outputs += self._step()
         except TensorParallelError:
