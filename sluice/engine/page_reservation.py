@@ -79,7 +79,8 @@ class Reservation:
         return True
 
     def close(self) -> None:
-        """Stop the thread at its next chunk of pages and let go of the tensors."""
+        """Stop the thread at its next chunk of pages and let go of the tensors. (A chunk in
+        flight over memory freed meanwhile is harmless: populating never changes contents.)"""
         if self._handle:
             self._lib.sluice_reserve_release(self._handle)
             self._handle, self._tensors = 0, []
@@ -111,7 +112,7 @@ def reserve_in_background(tensors: list[torch.Tensor]) -> Reservation | None:
     if lib is None:
         log.info("KV cache: pages are reserved as steps first write them (no native library)")
         return None
-    if not populate(tensors[0][:1]):  # one page: can this kernel populate at all?
+    if not populate(tensors[0][:1]):  # a first block: can this kernel populate at all?
         log.info("KV cache: pages are reserved as steps first write them (no populate)")
         return None
     ranges = [_page_range(t) for t in tensors]
