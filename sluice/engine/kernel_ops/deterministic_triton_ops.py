@@ -1,14 +1,17 @@
 """Deterministic mode on CUDA (`EngineConfig.deterministic` with a GPU; Triton's interpreter on the
 CPU for the tests): the guarantees of `deterministic_ops` from Triton kernels.
 
-- matmuls: `fixed_order_matmul` (one tile shape for every call, K walked in order, never split),
-  on the weights as loaded (cuBLAS chooses its algorithm and split of K by shape);
+- matmuls: `fixed_order_matmul` (each element one FMA chain over K in order, written out rather
+  than left to `tl.dot`, never split), on the weights as loaded (cuBLAS chooses its algorithm and
+  split of K by shape);
 - attention: every new token of the step, prefill chunks' too, as a decode row of its own
   (`step_plan.token_rows`: its sequence's block table, its position + 1 as context) through the
   decode kernel unsplit, which walks a row's keys in fixed tiles in position order with an online
   softmax: a token attends with the same bits as a decode, in a first prefill, a later chunk or
   after a prefix-cache hit. It reads each token's context on its own, so a long prefill costs
-  more than through SDPA's kernel; that is the price of the mode;
+  more than through SDPA's kernel; that is the price of the mode. Its dots never put two tokens
+  in one tile and a head is always at the same row, so their order (the tensor cores', or numpy's
+  BLAS in the interpreter) is the same for a token whatever the batch;
 - rotary: the chunked table of `deterministic_ops`;
 - RMSNorm, SiLU, the KV write and the draw: the Triton family's kernels, one program a row.
 

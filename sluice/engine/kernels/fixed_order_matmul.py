@@ -2,14 +2,18 @@
 of rows: deterministic mode's matmul on CUDA.
 
 cuBLAS picks its algorithm, tile and split of K by the matrix shapes, so a row's result changes
-with the rows beside it. Here one program computes a BLOCK_M x BLOCK_N tile of the output, walking
-K from 0 upwards in BLOCK_K steps, accumulating in float32; the tile sizes are constants (never
-chosen by M, N or K) and K is never split between programs, so a row's bits depend on that row
-and the weight alone. Rows past M are masked (loaded as zeros, never stored), and so are the
-columns of K past its end, whose products add exact zeros.
+with the rows beside it. `tl.dot` promises no order either: on a GPU it is the tensor cores', and
+in Triton's interpreter it is numpy's BLAS, whose kernel gives a row other bits at another place in
+the tile (seen with OpenBLAS's Haswell kernels: rows 6 to 15 of a 16-row tile). So the sum is
+written out here: element (m, n) is one running float32 sum over k = 0, 1, ..., K - 1 in order, one
+fused multiply-add a step (`tl.fma`, which rounds once on CUDA and in the interpreter alike), then
+the bias, then one rounding to the output's dtype. That is the order of the CPU's kernel
+(`cpu_kernels/fixed_order_linear.c`) for float32. A program computes a BLOCK_M x BLOCK_N tile of
+the output; each element is its own chain, so the tile shape changes only the speed, never a bit,
+and K is never split between programs. Rows past M and columns past N read the last row's or
+column's values and are never stored.
 
-`fixed_order_matmul_torch` is the float64 reference the tests compare with; on the CPU
-deterministic mode has a C kernel of its own (`cpu_kernels/fixed_order_linear.c`).
+`fixed_order_matmul_torch` is the float64 reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch
 from sluice.engine.kernels import interpreting
 from sluice.engine.kernels._triton import tl, triton
 
-# One tile shape for every call: 16 rows (tl.dot's least height), 64 output columns, 32 of K a step.
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
+# Tile shapes: speed only (see above). The interpreter runs one program at a time in Python, so it
+# gets wide tiles and fewer programs.
+CUDA_TILE = (16, 64)
+INTERPRETER_TILE = (64, 256)
 
 
 def fixed_order_matmul_torch(
@@ -46,32 +52,21 @@ def _fixed_order_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
+    # rows and columns past the end read the last one's values (never stored): no mask in the loop
+    x_at = x_ptr + tl.minimum(rows, M - 1).to(tl.int64)[:, None] * stride_xm
+    w_at = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        k_ok = ks < K
-        x = tl.load(
-            x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :],
-            mask=col_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        acc = tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), acc, input_precision=DOT_PRECISION)
+    for _ in range(0, K):
+        acc = tl.fma(tl.load(x_at).to(tl.float32), tl.load(w_at).to(tl.float32), acc)
+        x_at += 1
+        w_at += 1
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -100,15 +95,9 @@ def fixed_order_matmul_triton(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    # float32 stays exact (no TF32); the interpreter gets bfloat16 dots wrong, so it runs them in
-    # float32 (see paged_attention)
-    dot_dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[
-        x.dtype
-    ]
-    if x.dtype == torch.bfloat16 and interpreting():
-        dot_dtype = tl.float32
+    block_m, block_n = INTERPRETER_TILE if interpreting() else CUDA_TILE
     has_bias = bias is not None
-    _fixed_order_kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+    _fixed_order_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x2,
         weight,
         bias if has_bias else weight,
@@ -120,13 +109,9 @@ def fixed_order_matmul_triton(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=has_bias,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else None,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         num_warps=4,
-        num_stages=2,
     )
     return out.reshape(*lead, n)
 

@@ -1,12 +1,15 @@
 """Deterministic mode's matmul on CUDA (`kernels.fixed_order_matmul`, in Triton's interpreter
 here) against float64, and the property it exists for: a row's result is the same bits whatever
-rows share the call (float32 and bfloat16; shapes with partial tiles of rows, columns and K)."""
+rows share the call (float32 and bfloat16; shapes with partial tiles of rows, columns and K). The
+order is written out in the kernel, not left to `tl.dot`: in float32 it gives the CPU kernel's
+bits (one FMA a step in k order), whatever BLAS the interpreter's numpy runs on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sluice.engine.cpu_kernels.fixed_order_linear import fixed_order_linear, pack_fixed_order
 from sluice.engine.kernels.fixed_order_matmul import (
     fixed_order_matmul_torch,
     fixed_order_matmul_triton,
@@ -53,6 +56,15 @@ def test_a_row_gets_the_same_bits_with_any_rows_beside_it(n, k, dtype):
         for start in (0, x.shape[0] - m):
             got = fixed_order_matmul_triton(x[start : start + m], w, b)
             assert torch.equal(got, alone[start : start + m]), (m, start)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_float32_gives_the_cpu_kernels_bits(n, k):
+    x, w, b = _data(n, k, torch.float32)
+    packed = pack_fixed_order(w.cpu())
+    for bias in (b, None):
+        cpu = fixed_order_linear(x.cpu(), packed, None if bias is None else bias.cpu())
+        assert torch.equal(fixed_order_matmul_triton(x, w, bias).cpu(), cpu)
 
 
 def test_refuses_what_does_not_multiply():
