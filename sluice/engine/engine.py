@@ -73,9 +73,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(
-            s.finish_reason is not None for s in self.seqs
-        )
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -400,12 +398,10 @@ class LLMEngine:
             request.seqs = [sequence(index) for index in range(params.n)]
             for seq in request.seqs:
                 self._replay(request, seq, resume.get(seq.index, ()), now)
-            finals = [
-                self._final_output(request, s, [], "") for s in request.seqs if s.finish_reason
-            ]
+            finals = [self._final_output(request, s, [], "") for s in request.seqs if s.is_finished]
         try:
             for seq in request.seqs:
-                if seq.finish_reason is None:
+                if not seq.is_finished:
                     self.scheduler.add(seq)  # raises if it could never fit in the KV cache
         except EngineError:
             self.scheduler.abort(request_id)
@@ -422,7 +418,7 @@ class LLMEngine:
         for token in tokens:
             if not 0 <= token < self.model_config.vocab_size:
                 raise EngineError(f"token id {token} is outside the vocabulary", field="resume")
-            if seq.finish_reason is not None:
+            if seq.is_finished:
                 raise EngineError("tokens after the completion had finished", field="resume")
             seq.append_token(token)
             if seq.matcher is not None:
@@ -430,13 +426,12 @@ class LLMEngine:
                     seq.matcher.consume(token)
                 except EngineError as exc:
                     raise EngineError(str(exc), field="resume") from None
-            reason, stop_reason, delta = self._finish_reason(seq, token, request.params)
+            end, stop_reason, delta = self._ending(seq, token, request.params)
             seq.text += delta  # published with the token already
-            if reason is not None:
+            if end is not None:
                 if seq.detokenizer is not None and not seq.detokenizer.stopped:
                     seq.text += seq.detokenizer.flush()  # went out with the last token too
-                seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
-                seq.status = SequenceStatus.FINISHED
+                seq.finish(end, now, stop_reason)  # (not in the scheduler yet)
 
     def _prompt_ids(
         self, prompt: str | None, prompt_token_ids: Seq[int] | None, messages: Seq[dict] | None
@@ -486,16 +481,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; the next step() returns its final outputs."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return False
-        unfinished = [s for s in request.seqs if s.finish_reason is None]
-        self.scheduler.abort(request_id)  # marks them "abort"
-        now = time.monotonic()
-        for seq in unfinished:
-            seq.finish_reason, seq.finished_time = "abort", now
-            self._pending.append(self._final_output(request, seq, [], ""))
-        return True
+        return self._end(request_id, SequenceStatus.FINISHED_ABORTED)
 
     def reset(self) -> list[str]:
         """Drop every request, freeing its blocks, with no outputs: for a caller that will admit
@@ -645,14 +631,19 @@ class LLMEngine:
     def fail(self, request_id: str, error: str) -> bool:
         """End a request now with finish_reason "error" (its final outputs carry `error`) and
         free its KV blocks; the next step() returns its final outputs."""
+        return self._end(request_id, SequenceStatus.FINISHED_ERROR, error)
+
+    def _end(self, request_id: str, status: SequenceStatus, error: str | None = None) -> bool:
+        """End every unfinished sequence of a request with `status`, freeing its blocks; their
+        final outputs go out at the next step()."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
-        unfinished = [s for s in request.seqs if s.finish_reason is None]
-        self.scheduler.abort(request_id)
         now = time.monotonic()
-        for seq in unfinished:
-            seq.finish_reason, seq.finished_time = "error", now
+        for seq in request.seqs:
+            if seq.is_finished:
+                continue
+            self.scheduler.finish(seq, status, now)
             final = self._final_output(request, seq, [], "")
             final.error = error
             self._pending.append(final)
@@ -662,22 +653,22 @@ class LLMEngine:
         for request_id in [r for r, req in self._requests.items() if req.finished]:
             del self._requests[request_id]
 
-    def _finish_reason(
+    def _ending(
         self, seq: Sequence, token: int, params: SamplingParams
-    ) -> tuple[str | None, str | int | None, str]:
-        """The one place a completion's end is decided, after its new token: (finish reason or
-        None, stop reason, the token's text delta)."""
+    ) -> tuple[SequenceStatus | None, str | int | None, str]:
+        """The one place a completion's end is decided, after its new token: (its finished
+        status or None, stop reason, the token's text delta)."""
         if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop", token, ""
+            return SequenceStatus.FINISHED_STOPPED, token, ""
         if token in params.stop_token_ids:
-            return "stop", token, ""
+            return SequenceStatus.FINISHED_STOPPED, token, ""
         delta = ""
         if seq.detokenizer is not None:
             delta, hit = seq.detokenizer.add([token])
             if hit:
-                return "stop", seq.detokenizer.stop_string, delta
+                return SequenceStatus.FINISHED_STOPPED, seq.detokenizer.stop_string, delta
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length", None, delta
+            return SequenceStatus.FINISHED_LENGTH, None, delta
         return None, None, delta
 
     def _advance(
@@ -696,8 +687,8 @@ class LLMEngine:
         seq.last_token_time = now
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        reason, stop_reason, delta = self._finish_reason(seq, token, request.params)
-        if reason is None:
+        end, stop_reason, delta = self._ending(seq, token, request.params)
+        if end is None:
             seq.text += delta
             return StepOutput(
                 request.request_id,
@@ -708,8 +699,7 @@ class LLMEngine:
             )
         if seq.detokenizer is not None and not seq.detokenizer.stopped:
             delta += seq.detokenizer.flush()  # held-back text that turned out not to be a stop
-        seq.finish_reason, seq.stop_reason, seq.finished_time = reason, stop_reason, now
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, end, now, stop_reason)
         return self._final_output(request, seq, [token], delta, [logprobs] if logprobs else [])
 
     def _final_output(
@@ -757,7 +747,7 @@ class LLMEngine:
             child.append_token(token)
             request.seqs.append(child)
             out = self._advance(request, child, token, drawn.logprobs[0], now)
-            if child.finish_reason is None:
+            if not child.is_finished:
                 self.scheduler.fork(parent, child)
             outputs.append(out)
         return outputs

@@ -27,6 +27,7 @@ Step protocol (the engine's side):
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -150,27 +151,35 @@ class BatchScheduler:
         elif seq in queue:  # key changed after add (should not happen); fall back to a scan
             queue.remove(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Retire a sequence: blocks freed (full ones stay in the prefix cache). Idempotent."""
-        if seq.status is SequenceStatus.FINISHED:
+    def finish(
+        self,
+        seq: Sequence,
+        status: SequenceStatus,
+        now: float,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        """Retire a sequence with how it ended: blocks freed (full ones stay in the prefix cache),
+        then its end recorded (`Sequence.finish`). Idempotent: a finished one keeps its end."""
+        if seq.is_finished:
             return
         self._remove(seq)
         self._release(seq, self._pending_copies)
-        seq.status = SequenceStatus.FINISHED
+        seq.finish(status, now, stop_reason)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of `request_id` (its samples `request_id#i` too), freeing blocks
-        now."""
+    def abort(
+        self, request_id: str, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED
+    ) -> list[Sequence]:
+        """Finish every sequence of `request_id` (its samples `request_id#i` too) with `status`,
+        freeing blocks now."""
         group = request_id + "#"
         hit = [
             s
             for s in self.running + self.waiting
             if s.request_id == request_id or s.request_id.startswith(group)
         ]
+        now = time.monotonic()
         for seq in hit:
-            if seq.finish_reason is None:
-                seq.finish_reason = "abort"
-            self.finish(seq)
+            self.finish(seq, status, now)
         return hit
 
     def has_unfinished(self) -> bool:

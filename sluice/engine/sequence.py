@@ -25,9 +25,33 @@ if TYPE_CHECKING:
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence stands; a finished one also says how it ended (`finish_reason`)."""
+
     WAITING = "waiting"  # in the scheduler's waiting queue, holds no blocks
     RUNNING = "running"  # holds blocks; scheduled every step it fits in the budget
-    FINISHED = "finished"  # blocks freed (they stay in the prefix cache); never scheduled again
+    # Finished: blocks freed (they stay in the prefix cache); never scheduled again.
+    FINISHED_STOPPED = "finished_stopped"  # an end-of-sequence or stop token, or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens, or the model's context, reached
+    FINISHED_ABORTED = "finished_aborted"  # its client (or a runner's reset) gave it up
+    FINISHED_ERROR = "finished_error"  # a fault while serving it
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """What a finished status reports as its finish reason (OpenAI's and vLLM's words);
+        None before it has finished. The one place the two are tied together."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
 
 
 _seq_ids = itertools.count()
@@ -76,7 +100,6 @@ class Sequence:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
-        self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it
         # Block-manager bookkeeping. Hashes depend only on tokens and salt, so they survive
         # preemption; `num_committed_blocks` counts leading blocks registered in the prefix cache.
@@ -129,7 +152,19 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """ "stop", "length", "abort" or "error" once finished (from its status), else None."""
+        return self.status.finish_reason
+
+    def finish(self, status: SequenceStatus, now: float, stop_reason: str | int | None = None):
+        """Record how the completion ended: the one place a sequence gets a finished status.
+        The scheduler calls it once it has let go of the sequence (`BatchScheduler.finish`)."""
+        if not status.is_finished:
+            raise ValueError(f"{status} is not an end")
+        self.status, self.finished_time, self.stop_reason = status, now, stop_reason
 
     def draw_word(self) -> int:
         """The random word of the token to draw next (at position `num_tokens`)."""

@@ -69,14 +69,14 @@ def test_a_fault_after_some_tokens_keeps_what_was_produced(engine):
 
 
 def test_a_fault_in_one_requests_own_bookkeeping_ends_only_that_request(engine, monkeypatch):
-    real = LLMEngine._finish_reason
+    real = LLMEngine._ending
 
     def broken(self, seq, token, params):
         if seq.request_id == "r4" and seq.num_output_tokens == 3:
             raise KeyError("stop check broke")
         return real(self, seq, token, params)
 
-    monkeypatch.setattr(LLMEngine, "_finish_reason", broken)
+    monkeypatch.setattr(LLMEngine, "_ending", broken)
     tokens, finals = run(engine, prompts())
     assert finals["r4"].finish_reason == "error" and "KeyError" in finals["r4"].error
     assert all(finals[r].finish_reason == "length" for r in prompts() if r != "r4")

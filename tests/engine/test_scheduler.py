@@ -9,6 +9,7 @@ prefix written there), so any block mix-up shows up as a corrupt context.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -119,8 +120,7 @@ class FakeEngine:
                 seq.num_output_tokens >= seq.max_tokens
                 or seq.num_tokens >= self.sched.max_model_len
             ):
-                seq.finish_reason = "length"
-                self.sched.finish(seq)
+                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH, time.monotonic())
                 self.finished.append(seq)
         return batch
 
@@ -277,7 +277,7 @@ def test_preemption_under_tiny_cache_finishes_everything_with_the_same_output():
     assert s.num_preemptions > 0
     assert any(b.preempted for b in eng.batches)
     for q in seqs:
-        assert q.status is SequenceStatus.FINISHED
+        assert q.status is SequenceStatus.FINISHED_LENGTH
         assert q.num_output_tokens == q.max_tokens
         assert q.output_token_ids == reference_output(
             q.prompt_token_ids, q.request_id, q.max_tokens
@@ -361,7 +361,7 @@ def test_abort_frees_blocks_immediately_wherever_the_seq_is():
     free_before, held = bm.num_free_blocks, len(a.block_table)
     assert s.abort("a") == [a]
     assert bm.num_free_blocks == free_before + held and a.block_table == []
-    assert a.status is SequenceStatus.FINISHED and a.finish_reason == "abort"
+    assert a.status is SequenceStatus.FINISHED_ABORTED and a.finish_reason == "abort"
     assert s.abort("c") == [c] and c not in s.waiting
     assert s.abort("nope") == []
     eng.run()
@@ -541,7 +541,7 @@ def test_random_workloads_finish_with_correct_output(
     assert bm.num_free_blocks == bm.num_usable_blocks
     event("preempted" if s.num_preemptions else "no preemption")
     for q, _ in accepted:
-        assert q.status is SequenceStatus.FINISHED
+        assert q.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
         if q.finish_reason != "abort":
             expect = reference_output(q.prompt_token_ids, q.request_id, q.max_tokens)
             assert q.output_token_ids == expect
