@@ -156,10 +156,12 @@ class Sequence:
 
     @property
     def finish_reason(self) -> str | None:
-        """ "stop", "length", "abort" or "error" once finished (from its status), else None."""
+        """From its status: once finished "stop", "length", "abort" or "error", else None."""
         return self.status.finish_reason
 
-    def finish(self, status: SequenceStatus, now: float, stop_reason: str | int | None = None):
+    def finish(
+        self, status: SequenceStatus, now: float, stop_reason: str | int | None = None
+    ) -> None:
         """Record how the completion ended: the one place a sequence gets a finished status.
         The scheduler calls it once it has let go of the sequence (`BatchScheduler.finish`)."""
         if not status.is_finished:
