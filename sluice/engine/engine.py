@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from sluice.engine import startup
 from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.draws import new_seed
-from sluice.engine.errors import ConfigError, EngineError, TensorParallelError, check_prompt_fits
+from sluice.engine.errors import EngineError, TensorParallelError, check_prompt_fits
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kv_events import KvEventLog, KvEvents
 from sluice.engine.loader import LoadedModel, build_model, load_model
@@ -50,7 +51,6 @@ from sluice.engine.sampler import Sampler, TokenLogprobs
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
 from sluice.engine.sequence import Sequence, SequenceStatus
-from sluice.engine.stored_quantization import quantization_as_stored
 from sluice.engine.structured import Grammars
 from sluice.engine.tokenizer import Tokenizer
 
@@ -98,18 +98,7 @@ class LLMEngine:
         self.ops = resolve_kernel_ops(
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
-        if self.config.cuda_graphs and self.ops.name != "triton":
-            raise ConfigError(
-                f"cuda_graphs captures the triton kernels' decode steps, not the {self.ops.name} "
-                "family's",
-                field="cuda_graphs",
-            )
-        quantization = self.config.quantization
-        if quantization not in (None, "auto") and quantization not in self.ops.quantizations:
-            raise ConfigError(
-                f"the {self.ops.name} kernels do not run quantization {quantization!r}",
-                field="quantization",
-            )
+        startup.check_family(self.config, self.ops)
         workers = None
         if self.config.tensor_parallel_size > 1:
             from .tensor_parallel.launcher import Workers
@@ -130,9 +119,11 @@ class LLMEngine:
         # the model as this process runs it: all of it, or rank 0's share of its heads and columns
         rank_config = self.model_config if shards is None else shards.rank_config(0)
         if self.config.quantization == "auto":
-            self.config = replace(self.config, quantization=self._choose_quantization())
+            quantization = startup.choose_quantization(self.loaded, self.ops)
+            self.config = replace(self.config, quantization=quantization)
         if self.config.dtype == "auto":
-            self.config = replace(self.config, dtype=self._choose_dtype(rank_config))
+            dtype = startup.choose_dtype(self.config, rank_config, self.ops)
+            self.config = replace(self.config, dtype=dtype)
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
@@ -155,9 +146,9 @@ class LLMEngine:
             int4_blocks=self.loaded.int4_blocks if shards is None else None,
             stored_types=self.loaded.stored_types if shards is None else None,
         )
-        if workers is None and self.config.quantization and self.ops.name == "native":
-            self._choose_widening(model_obj)
-        self._hint_stored_quantization()
+        if workers is None:
+            startup.choose_widening(self.config, self.ops, model_obj)
+        startup.hint_stored_quantization(self.config, self.loaded, self.ops)
         weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
         self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
         self.loaded.int4_blocks = {}
@@ -188,7 +179,19 @@ class LLMEngine:
         self.fault_hook: Callable[[ScheduledBatch], None] | None = None
         self.memory = memory_report(rank_config, self.config, model_obj, self.runner)
         self.provenance = engine_provenance(self, weights_hash)
-        self._log_ready(time.monotonic() - started, num_blocks)
+        ready = startup.ReadyReport(
+            time.monotonic() - started,
+            self.model_id,
+            self.model_config,
+            self.config,
+            self.kernels,
+            num_blocks,
+            self.max_model_len,
+            self.memory,
+            self.provenance,
+        )
+        for line in ready.lines():
+            log.info("%s", line)
 
     def _take_cpus(self, cpus: tuple[int, ...]) -> set[int]:
         """`engine_cpus`: one compute thread a CPU, this thread (which builds the engine, and
@@ -222,128 +225,8 @@ class LLMEngine:
 
     @property
     def kernels(self) -> str:
-        """The kernel family the model runs on ("torch", "native", "triton")."""
+        """The kernel family the model runs on, as `EngineConfig.kernels` names it."""
         return self.ops.name
-
-    def _log_ready(self, seconds: float, num_blocks: int) -> None:
-        c, m = self.config, self.memory
-        log.info(
-            "engine ready in %.1f s: model %s (%s, %d layers), dtype %s on %s, kernels %s; "
-            "weights %.0f MiB (%s; %.0f MiB as plain %s tensors); KV cache %d blocks x %d tokens "
-            "(%.0f MiB %s, %d tokens, %.1fx the tokens of a %s cache of the same size); "
-            "max_model_len %d; max_num_batched_tokens %d, max_num_seqs %d, prefix caching %s, "
-            "CUDA graphs %s",
-            seconds,
-            self.model_id,
-            self.model_config.architecture,
-            self.model_config.num_hidden_layers,
-            c.dtype,
-            c.device,
-            self.kernels,
-            m.weight_bytes / 2**20,
-            c.quantization or "unquantized",
-            m.weight_bytes_unquantized / 2**20,
-            c.dtype,
-            num_blocks,
-            c.block_size,
-            m.kv_cache_bytes / 2**20,
-            m.kv_dtype,
-            m.kv_tokens,
-            m.kv_tokens_gain,
-            c.dtype,
-            self.max_model_len,
-            c.max_num_batched_tokens,
-            c.max_num_seqs,
-            "on" if c.enable_prefix_caching else "off",
-            "on" if c.cuda_graphs else "off",
-        )
-        p = self.provenance
-        log.info(
-            "provenance: weights sha256 %s, tokenizer sha256 %s, kernels %s, deterministic %s, "
-            "%s (%s), torch %s",
-            p.weights_sha256[:16],
-            (p.tokenizer_sha256 or "none")[:16],
-            p.kernels,
-            "on" if p.deterministic else "off",
-            p.device_name,
-            " ".join(p.cpu_features) or "no listed features",
-            p.torch_version,
-        )
-        if c.deterministic:
-            log.info(
-                "deterministic mode: fixed-order matmuls and attention; a request's tokens depend "
-                "on it and its seed alone (docs/REPRODUCIBILITY.md), at a cost in speed"
-            )
-
-    def _choose_dtype(self, model_config: ModelConfig) -> str:
-        """`dtype="auto"`: the faster precision here for this process's share of the model,
-        measured (`dtype_probe`), and logged."""
-        from .dtype_probe import choose_dtype
-
-        c = self.config
-        choice = choose_dtype(model_config, c.device, self.ops, c.quantization)
-        timed = ", ".join(f"{d} {ms:.1f} ms" for d, ms in choice.ms.items())
-        log.info(
-            "dtype auto: %s (%s%s)",
-            choice.dtype,
-            choice.reason,
-            f": the model's matmuls at 1, 16 and 256 rows took {timed}" if timed else "",
-        )
-        return choice.dtype
-
-    def _choose_quantization(self) -> str | None:
-        """`quantization="auto"`: the file's layers quantized as it stores them, and logged."""
-        choice = quantization_as_stored(self.loaded.stored_formats, self.ops)
-        log.info("quantization auto: %s (%s)", choice.quantization or "none", choice.reason)
-        return choice.quantization
-
-    def _hint_stored_quantization(self) -> None:
-        """A file whose matrices are quantized runs dequantized unless asked otherwise: say which
-        `--quantization` multiplies them as stored (what a llama.cpp user expects of a GGUF)."""
-        formats = self.loaded.stored_formats
-        if self.config.quantization or not formats or self.ops.name != "native":
-            return
-        suggested = quantization_as_stored(formats, self.ops).quantization
-        if suggested is None:
-            return
-        log.info(
-            "%s stores its layers' matrices as %s; they run dequantized to %s here. "
-            "--quantization %s (or auto) multiplies them quantized, as stored (less memory, "
-            "faster a token: docs/ENGINE.md)",
-            self.loaded.source,
-            "/".join(formats),
-            self.config.dtype,
-            suggested,
-        )
-
-    def _choose_widening(self, model) -> None:
-        """From how many rows a step widens each quantized projection to bfloat16 for a oneDNN
-        matmul (`widen_probe`: measured, or cached), and the log line that says so."""
-        from .widen_probe import choose_widening, projection_shapes
-
-        choice = choose_widening(projection_shapes(model.layers), self.config.torch_dtype)
-        self.ops.widen_rows = choice.rows  # type: ignore[attr-defined]
-        timed = "; ".join(
-            f"{shape}: "
-            + ", ".join(f"{rows} rows {a:.2f}/{b:.2f} ms" for rows, (a, b) in ms.items())
-            for shape, ms in choice.ms.items()
-        )
-        if choice.rows:
-            where = ", ".join(f"{n}x{k} from {rows} rows" for (n, k), rows in choice.rows.items())
-            log.info(
-                "%s weights widened to bfloat16 for large steps (%s): %s%s",
-                self.config.quantization,
-                choice.reason,
-                where,
-                f" (as stored / widened: {timed})" if timed else "",
-            )
-        else:
-            log.info(
-                "%s weights multiplied as stored at every step size (%s%s)",
-                self.config.quantization,
-                choice.reason,
-                f"; as stored / widened: {timed}" if timed else "",
-            )
 
     # -- requests ------------------------------------------------------------------------------
 

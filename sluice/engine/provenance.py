@@ -84,7 +84,7 @@ class Provenance:
 def engine_provenance(engine: LLMEngine, weights_sha256: str) -> Provenance:
     config = engine.config
     device = torch.device(config.device)
-    native = engine.kernels in ("native", "deterministic")
+    native = engine.ops.runs_native_code
     return Provenance(
         model=engine.model_id,
         weights_sha256=weights_sha256,

@@ -40,6 +40,15 @@ class KernelOps(ABC):
     int8_format: ClassVar[str] = "per-channel"
     # The `--quantization` settings the family multiplies (others are refused at start)
     quantizations: ClassVar[tuple[str, ...]] = ("int8", "int4")
+    # Whether its decode steps can be captured as CUDA graphs and replayed (`captured_decode`)
+    captures_decode_graphs: ClassVar[bool] = False
+    # Whether it runs this library's C kernels (their build's CPU features then name the machine)
+    runs_native_code: ClassVar[bool] = False
+    # Whether the engine measures at start from how many rows a quantized projection is better
+    # widened to bfloat16 for a oneDNN matmul (`widen_probe`), and hands the answer to
+    # `widen_rows`: (N, K) of a weight -> rows; empty, always as stored
+    measures_widening: ClassVar[bool] = False
+    widen_rows: dict[tuple[int, int], int]
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back

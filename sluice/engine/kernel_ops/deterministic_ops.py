@@ -38,6 +38,7 @@ from .native_ops import NativeOps, c_attention_served
 class DeterministicOps(NativeOps):
     name = "deterministic"
     weight_layout = "fixed-order"
+    measures_widening = False  # (its int8 steps are never widened: the same bits at every size)
 
     def check(self, spec: AttentionSpec) -> None:
         served, prefill_served = c_attention_served(spec)

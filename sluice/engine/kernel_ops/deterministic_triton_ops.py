@@ -40,6 +40,7 @@ class DeterministicTritonOps(ChunkedRope, TritonOps):
     name = "deterministic-triton"
     weight_layout = "plain"
     quantizations = ()
+    captures_decode_graphs = False  # (a graph is the default family's decode step)
 
     def check(self, spec: AttentionSpec) -> None:
         if spec.quantized_cache:

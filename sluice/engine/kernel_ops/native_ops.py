@@ -52,6 +52,8 @@ def c_attention_served(spec: AttentionSpec) -> tuple[bool, bool]:
 class NativeOps(ChunkedRope, TorchOps):
     name = "native"
     int8_format = "blocks"  # multiplied as stored by `cpu_kernels.block_int8_linear`
+    runs_native_code = True
+    measures_widening = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,9 +61,7 @@ class NativeOps(ChunkedRope, TorchOps):
         self._stacks: dict[int, LayerStack | None] = {}
         # by id of the model: a step of decodes as one C call, or None where it cannot be
         self._decode_forwards: dict[int, DecodeForward | None] = {}
-        # (N, K) of a quantized weight -> the rows from which a bfloat16 step widens it for a
-        # oneDNN matmul (`widen_probe`, set by the engine); empty: always as stored
-        self.widen_rows: dict[tuple[int, int], int] = {}
+        self.widen_rows = {}  # (set by the engine: see `KernelOps.measures_widening`)
 
     def linear(self, x, layer):
         packed = getattr(layer, "packed", None)

@@ -24,6 +24,7 @@ from .torch_ops import TorchOps, plan_sdpa_prefills, sdpa_prefills
 
 class TritonOps(TorchOps):
     name = "triton"
+    captures_decode_graphs = True
 
     def plan(self, step: StepPlan, spec: AttentionSpec) -> StepPlan:
         return plan_sdpa_prefills(replace(step, attention=spec, decodes=decode_rows(step)), spec)
