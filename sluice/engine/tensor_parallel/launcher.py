@@ -31,13 +31,17 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..errors import ConfigError, TensorParallelError
 from ..model_runner import ModelRunner, StepInputs
-from .group import TensorParallelGroup, collective_timeout, rank_device, rendezvous_store
+from .group import TensorParallelGroup, rank_device, rendezvous_store
 from .sharding import ShardPlan
 from .worker import WorkerSpec
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 3.0  # how long a worker has to exit after its stdin closed before it is killed
+# How long a worker has to finish loading (Python, torch), build its share of the model and join
+# the group. Not a collective, so not `SLUICE_TP_TIMEOUT_S`'s: a short collective timeout, set to
+# catch a hung rank fast, must not fail a start that takes a few seconds on a slow machine.
+START_TIMEOUT_S = 300.0
 REPORT_WAIT_S = 1.0  # after a failure: how long to wait for a worker's own account of it
 
 
@@ -194,9 +198,8 @@ class Workers:
                 source=source,
             )
             w.inbox.send(spec)
-        timeout_s = collective_timeout().total_seconds()
         for w in self.workers:
-            w.expect("joining", timeout_s)
+            w.expect("joining", START_TIMEOUT_S)
         group = TensorParallelGroup(
             self.store, 0, plan.world_size, rank_device(engine_config.device, 0)
         )
