@@ -1,7 +1,8 @@
 """A single request's decode, the decoder layers as one native call against layer by layer.
 
 The native family runs a step's whole stack of layers in one C call where every matmul weight is
-packed for its kernels (`cpu_kernels/decoder_layers.c`: int8 or int4 weights). This times one
+packed for its kernels (`cpu_kernels/decoder_layers.c`: int8 or int4 weights), and a decode step
+from token ids to logits in one (`forward.NativeStack`). This times one
 request (a 40-token prompt by default, then 64 greedy tokens) both ways in one engine, the two
 interleaved round by round (this machine's speed drifts), and reports the medians and their
 ratio, and each against the weight-read floor: the bytes of weights a step reads (every matrix as
@@ -32,7 +33,7 @@ from engine_throughput import cpu_model  # noqa: E402
 from sluice.engine import LLMEngine  # noqa: E402
 from sluice.engine.config import EngineConfig  # noqa: E402
 from sluice.engine.cpu_kernels.block_int8_linear import dot_path  # noqa: E402
-from sluice.engine.kernel_ops.native_ops import NativeOps  # noqa: E402
+from sluice.engine.forward import LayerByLayer, NativeStack  # noqa: E402
 from sluice.engine.memory import weight_bytes  # noqa: E402
 from sluice.engine.sampling_params import SamplingParams  # noqa: E402
 from sluice.engine.weights import BlockInt8Embedding  # noqa: E402
@@ -97,22 +98,25 @@ def main() -> None:
         dtype=args.dtype, quantization=args.quantization, kv_cache_bytes=256 << 20
     )
     engine = LLMEngine(config=config)
-    one_call = NativeOps.run_layers
-    run_layers = {MODES[0]: one_call, MODES[1]: lambda self, *a: None}
+    runner = engine.runner
+    if not isinstance(runner.route, NativeStack):
+        p.error(f"the engine's forward runs {runner.route.name}, not as one native call")
+    layered = LayerByLayer(runner.model, runner.attention, runner.kv_caches, runner.embed)
+    routes = {MODES[0]: runner.route, MODES[1]: layered}
     times: dict[str, list[float]] = {m: [] for m in MODES}
     if not 1 <= args.prompt_len <= config.max_num_batched_tokens:
         p.error(f"--prompt-len must be 1..{config.max_num_batched_tokens} (one prefill step)")
     decode_ms_per_token(engine, -1, args.output_len, args.prompt_len)  # warm-up
     for r in range(args.rounds):
         for mode in MODES if r % 2 == 0 else MODES[::-1]:
-            NativeOps.run_layers = run_layers[mode]  # type: ignore[method-assign]
+            runner.route = routes[mode]
             times[mode].append(
                 decode_ms_per_token(
                     engine, 2 * r + len(times[mode]), args.output_len, args.prompt_len
                 )
             )
             print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1]:.2f} ms/token", flush=True)
-    NativeOps.run_layers = one_call  # type: ignore[method-assign]
+    runner.route = routes[MODES[0]]
     medians = {m: statistics.median(v) for m, v in times.items()}
     step_bytes = weight_bytes_per_step(engine)
     read_gb_s = memory_read_gb_s()

@@ -103,7 +103,7 @@ class TorchAttentionPlan:
 
 
 def _torch_plan(plan: StepPlan) -> TorchAttentionPlan:
-    if plan.torch_attention is None:
+    if not isinstance(plan.torch_attention, TorchAttentionPlan):
         raise ValueError("the step was planned without the torch attention path (KernelOps.plan)")
     return plan.torch_attention
 

@@ -9,10 +9,13 @@ computes takes its OpenMP team (torch's and the native kernels') with it.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 from .errors import ConfigError
+
+log = logging.getLogger("sluice.engine.engine")  # (the engine's start lines, under its name)
 
 _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
@@ -52,3 +55,21 @@ def bind_this_thread(cpus: tuple[int, ...] | set[int]) -> None:
 def other_cpus(cpus: tuple[int, ...]) -> set[int]:
     """The CPUs this process may use besides the engine's (empty when it has no others)."""
     return allowed_cpus() - set(cpus)
+
+
+def take_cpus(cpus: tuple[int, ...]) -> set[int]:
+    """The engine's CPUs: one compute thread a CPU (torch's threads), the calling thread (which
+    builds the engine and runs its probes) on them; returns the process's other CPUs."""
+    import torch
+
+    check_engine_cpus(cpus)
+    others = other_cpus(cpus)
+    torch.set_num_threads(len(cpus))
+    bind_this_thread(cpus)
+    log.info(
+        "engine threads: %d, on CPUs %s; the rest of the process on %s",
+        len(cpus),
+        ",".join(map(str, cpus)),
+        ",".join(map(str, sorted(others))) or "the same CPUs (no others are allowed)",
+    )
+    return others

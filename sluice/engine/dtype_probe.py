@@ -27,7 +27,7 @@ import torch
 
 from .config import ModelConfig
 from .cpu_kernels import cache_root, cpu_signature
-from .kernel_ops import KernelOps
+from .kernel_ops.base import KernelOps
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,8 @@ def probe(
 ) -> dict[str, float]:
     """Milliseconds the model's matmuls take in each candidate dtype, for each of ROWS rows,
     added up (each weight in the form `ops` reads, timed with `ops.linear`)."""
-    from .weights import Linear, transform_linear
+    from .weight_transforms import transform_linear
+    from .weights import Linear
 
     g = torch.Generator().manual_seed(0)
     cases = []  # (dtype, layer, x per row count, scale)

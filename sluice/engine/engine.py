@@ -7,20 +7,18 @@
 
 Each step the batch scheduler picks which tokens of which sequences run (decodes first, then
 prefill chunks, under a token budget), the model runner computes them in one forward over the paged
-KV cache, the sampler picks the next token of every sequence that reached its end, and the
-detokenizer turns new tokens into text deltas. Not thread-safe: call it from one thread.
+KV cache, the sampler picks the next token of every sequence that reached its end, and the output
+processor turns new tokens into text deltas and decides each completion's end. Not thread-safe:
+call it from one thread.
 
 Seeds: every draw is a function of (seed, completion index, position) alone (`draws`), and a
-request without a seed is given one, reported with its final output. So the same request with the
-same seed, model, dtype, device and engine version gives the same tokens as long as its logits are
-the same: run alone, beside other requests (on the CPU in float32 the batch composition rarely
-changes the logits; batched matmuls may round differently with other batch sizes, so bit-identical
-logits across different batches are not guaranteed yet), and after a resume.
+request without a seed is given one, reported with its final output; with the same logits the
+same seed gives the same tokens, alone, in any batch, after a resume. Deterministic mode makes the
+logits themselves independent of the batch (docs/REPRODUCIBILITY.md).
 
 Resume: `add_request(..., resume={index: output token ids})` takes up a request whose first tokens
 were already produced (and published) elsewhere: prompt and those tokens are prefilled (the prefix
-cache makes it cheap) and generation continues at the next position with the same draws, so the
-request goes on as if it had never stopped.
+cache makes it cheap) and generation continues at the next position with the same draws.
 """
 
 from __future__ import annotations
@@ -30,24 +28,32 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from sluice.engine import startup
 from sluice.engine.config import EngineConfig, ModelConfig
-from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.draws import new_seed
 from sluice.engine.errors import EngineError, TensorParallelError, check_prompt_fits
+from sluice.engine.faults import isolate_fault
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kv_events import KvEventLog, KvEvents
 from sluice.engine.loader import LoadedModel, build_model, load_model
 from sluice.engine.memory import memory_report
 from sluice.engine.model_runner import ModelRunner, num_kv_blocks
-from sluice.engine.outputs import GenerateResult, SampleResult, StepOutput, Timings, Usage
+from sluice.engine.output_processor import OutputProcessor
+from sluice.engine.outputs import GenerateResult, StepOutput
 from sluice.engine.provenance import engine_provenance, weights_sha256
-from sluice.engine.sampler import Sampler, TokenLogprobs
+from sluice.engine.request import (
+    Request,
+    final_output,
+    prompt_ids,
+    prompts_and_params,
+    result,
+)
+from sluice.engine.sampler import Sampler
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import BatchScheduler, ScheduledBatch
 from sluice.engine.sequence import Sequence, SequenceStatus
@@ -55,25 +61,6 @@ from sluice.engine.structured import Grammars
 from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Request:
-    """One request in the engine: its prompt and parameters, and the sequences of its n samples
-    (one at first; the others fork from it after the prompt's first sampling step)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    seqs: list[Sequence]
-    seed: int  # the request's, or one given to it: reported with its final outputs
-    first_scheduled_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -94,7 +81,9 @@ class LLMEngine:
         # The CPUs left to the rest of the process (its event loop) when the engine has its own
         self.other_cpus: set[int] = set()
         if self.config.engine_cpus is not None:
-            self.other_cpus = self._take_cpus(self.config.engine_cpus)
+            from .cpus import take_cpus
+
+            self.other_cpus = take_cpus(self.config.engine_cpus)
         self.ops = resolve_kernel_ops(
             self.config.kernels, torch.device(self.config.device).type, self.config.deterministic
         )
@@ -169,22 +158,32 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(self.tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
+        self.outputs = OutputProcessor(
+            self.tokenizer,
+            self.grammars,
+            self.eos_token_ids,
+            self.max_model_len,
+            self.model_config.vocab_size,
+            self.scheduler.finish,
+        )
         self._requests: dict[str, Request] = {}
-        self._pending: list[
-            StepOutput
-        ] = []  # finals of aborted requests, returned by the next step
+        # finals of aborted and failed requests, returned by the next step
+        self._pending: list[StepOutput] = []
         self._ids = itertools.count()
         self._last_scheduled: list[str] = []  # request ids of the last batch scheduled
         # Called with each batch before it runs (tests inject faults through it: `faults`).
         self.fault_hook: Callable[[ScheduledBatch], None] | None = None
         self.memory = memory_report(rank_config, self.config, model_obj, self.runner)
-        self.provenance = engine_provenance(self, weights_hash)
+        self.provenance = engine_provenance(
+            self.model_id, self.config, self.ops, self.tokenizer, weights_hash
+        )
         ready = startup.ReadyReport(
             time.monotonic() - started,
             self.model_id,
             self.model_config,
             self.config,
             self.kernels,
+            self.runner.route.name,
             num_blocks,
             self.max_model_len,
             self.memory,
@@ -192,23 +191,6 @@ class LLMEngine:
         )
         for line in ready.lines():
             log.info("%s", line)
-
-    def _take_cpus(self, cpus: tuple[int, ...]) -> set[int]:
-        """`engine_cpus`: one compute thread a CPU, this thread (which builds the engine, and
-        runs the probes) on them; returns the process's other CPUs."""
-        from .cpus import bind_this_thread, check_engine_cpus, other_cpus
-
-        check_engine_cpus(cpus)
-        others = other_cpus(cpus)
-        torch.set_num_threads(len(cpus))
-        bind_this_thread(cpus)
-        log.info(
-            "engine threads: %d, on CPUs %s; the rest of the process on %s",
-            len(cpus),
-            ",".join(map(str, cpus)),
-            ",".join(map(str, sorted(others))) or "the same CPUs (no others are allowed)",
-        )
-        return others
 
     def bind_thread(self) -> None:
         """Keep the calling thread, which is about to step the engine, to `engine_cpus` (call it
@@ -255,7 +237,9 @@ class LLMEngine:
             raise EngineError(f"request id {request_id!r} is already in use", field="request_id")
         params = params or SamplingParams()
         params.validate()
-        prompt, ids = self._prompt_ids(prompt, prompt_token_ids, messages)
+        prompt, ids = prompt_ids(
+            self.tokenizer, self.model_config.vocab_size, prompt, prompt_token_ids, messages
+        )
         check_prompt_fits(len(ids), self.max_model_len)
         now = time.monotonic()
         seed = params.seed if params.seed is not None else new_seed()
@@ -271,7 +255,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 index=index,
             )
-            return self._new_sequence(seq, params, seed)
+            return self.outputs.new_sequence(seq, params, seed)
 
         if resume is None:
             request.seqs.append(sequence(0))
@@ -280,8 +264,8 @@ class LLMEngine:
                 raise EngineError(f"completion indices must be in [0, {params.n})", field="resume")
             request.seqs = [sequence(index) for index in range(params.n)]
             for seq in request.seqs:
-                self._replay(request, seq, resume.get(seq.index, ()), now)
-            finals = [self._final_output(request, s, [], "") for s in request.seqs if s.is_finished]
+                self.outputs.replay(seq, resume.get(seq.index, ()), request.params, now)
+            finals = [final_output(request, s, [], "") for s in request.seqs if s.is_finished]
         try:
             for seq in request.seqs:
                 if not seq.is_finished:
@@ -293,74 +277,6 @@ class LLMEngine:
         if resume is not None:
             self._pending += finals  # completions that had finished: their finals, at the next step
         return request_id
-
-    def _replay(self, request: Request, seq: Sequence, tokens: Seq[int], now: float) -> None:
-        """Give a resumed sequence the tokens it had produced, through the same stop checks (so
-        its text, held-back stop-string prefixes included, is where it was; that text was
-        published with those tokens and is not produced again), finishing it if they did."""
-        for token in tokens:
-            if not 0 <= token < self.model_config.vocab_size:
-                raise EngineError(f"token id {token} is outside the vocabulary", field="resume")
-            if seq.is_finished:
-                raise EngineError("tokens after the completion had finished", field="resume")
-            seq.append_token(token)
-            if seq.matcher is not None:
-                try:
-                    seq.matcher.consume(token)
-                except EngineError as exc:
-                    raise EngineError(str(exc), field="resume") from None
-            end, stop_reason, delta = self._ending(seq, token, request.params)
-            seq.text += delta  # published with the token already
-            if end is not None:
-                if seq.detokenizer is not None and not seq.detokenizer.stopped:
-                    seq.text += seq.detokenizer.flush()  # went out with the last token too
-                seq.finish(end, now, stop_reason)  # (not in the scheduler yet)
-
-    def _prompt_ids(
-        self, prompt: str | None, prompt_token_ids: Seq[int] | None, messages: Seq[dict] | None
-    ) -> tuple[str | None, list[int]]:
-        """The prompt's text (when it has one) and token ids, checked against the model."""
-        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
-        if sum(given) != 1:
-            raise EngineError(
-                "give exactly one of prompt, prompt_token_ids or messages", field="prompt"
-            )
-        if prompt_token_ids is not None:
-            ids = [int(t) for t in prompt_token_ids]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise EngineError(
-                    f"token id {bad[0]} is outside the vocabulary "
-                    f"(size {self.model_config.vocab_size})",
-                    field="prompt_token_ids",
-                )
-        elif self.tokenizer is None:
-            raise EngineError("this model has no tokenizer: pass prompt_token_ids", field="prompt")
-        elif messages is not None:
-            if not messages:
-                raise EngineError("no messages", field="messages")
-            prompt = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            if not isinstance(prompt, str) or not prompt:
-                raise EngineError("the prompt is empty", field="prompt")
-            ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise EngineError("the prompt has no tokens", field="prompt")
-        return prompt, ids
-
-    def _new_sequence(self, seq: Sequence, params: SamplingParams, seed: int) -> Sequence:
-        """Give a sequence its detokenizer and its request's seed."""
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                seq.prompt_token_ids,
-                params.stop,
-                skip_special_tokens=params.skip_special_tokens,
-            )
-        seq.seed = seed
-        seq.matcher = self.grammars.matcher(params.response_format)
-        return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks; the next step() returns its final outputs."""
@@ -414,7 +330,7 @@ class LLMEngine:
         """Run one batch; return what each request produced (new tokens, text, finish).
 
         A fault while serving the batch ends only the request that causes it (its final output
-        has finish_reason "error" and says why); the others go on (`_isolate_fault`)."""
+        has finish_reason "error" and says why); the others go on (`faults.isolate_fault`)."""
         outputs, self._pending = self._pending, []
         if self.runner.reserving is not None and self.runner.reserving.done():
             self.runner.reserving = None  # its thread has ended (done() logged how it went)
@@ -423,7 +339,9 @@ class LLMEngine:
         except TensorParallelError:
             raise  # a rank is gone: no request is at fault, and no step can run
         except Exception as exc:  # noqa: BLE001 - any fault: find the request it belongs to
-            outputs += self._isolate_fault(exc)
+            outputs += isolate_fault(
+                list(self._last_scheduled), exc, self._step, self.has_request, self._fail
+            )
         return outputs
 
     def _step(self, only: set[str] | None = None) -> list[StepOutput]:
@@ -459,7 +377,7 @@ class LLMEngine:
             if owner is None:
                 continue  # failed a moment ago, by another of its completions
             try:
-                outputs.append(self._advance(owner, seq, token, lp, now))
+                outputs.append(self.outputs.advance(owner, seq, token, lp, now))
             except Exception as exc:  # noqa: BLE001 - this request's text or stop checks
                 outputs += self._fail(owner.request_id, exc)
                 continue
@@ -468,37 +386,6 @@ class LLMEngine:
         for request, row in forks:
             outputs += self._fork_samples(request, logits[row : row + 1], now)
         self._forget_finished()
-        return outputs
-
-    def _isolate_fault(self, exc: Exception) -> list[StepOutput]:
-        """After a batch failed: run halves of it until the one request whose tokens fail alone is
-        found, and end that request with an error. What the halves that ran produced is returned.
-        (Nothing of the failed batch was kept: its tokens are computed again.)"""
-        suspects = list(self._last_scheduled)
-        log.warning(
-            "a step of %d request(s) failed (%s: %s); looking for the one that fails it",
-            len(suspects),
-            type(exc).__name__,
-            exc,
-        )
-        outputs: list[StepOutput] = []
-        while len(suspects) > 1:
-            half, rest = suspects[: len(suspects) // 2], suspects[len(suspects) // 2 :]
-            try:
-                outputs += self._step(set(half))
-                suspects = rest
-            except TensorParallelError:
-                raise
-            except Exception as again:  # noqa: BLE001
-                suspects, exc = half, again
-            suspects = [rid for rid in suspects if rid in self._requests]
-        if suspects:
-            try:
-                outputs += self._step(set(suspects))
-            except TensorParallelError:
-                raise
-            except Exception as alone:  # noqa: BLE001
-                outputs += self._fail(suspects[0], alone)
         return outputs
 
     def _fail(self, request_id: str, exc: BaseException) -> list[StepOutput]:
@@ -527,7 +414,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             self.scheduler.finish(seq, status, now)
-            final = self._final_output(request, seq, [], "")
+            final = final_output(request, seq, [], "")
             final.error = error
             self._pending.append(final)
         return True
@@ -535,78 +422,6 @@ class LLMEngine:
     def _forget_finished(self) -> None:
         for request_id in [r for r, req in self._requests.items() if req.finished]:
             del self._requests[request_id]
-
-    def _ending(
-        self, seq: Sequence, token: int, params: SamplingParams
-    ) -> tuple[SequenceStatus | None, str | int | None, str]:
-        """The one place a completion's end is decided, after its new token: (its finished
-        status or None, stop reason, the token's text delta)."""
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, token, ""
-        if token in params.stop_token_ids:
-            return SequenceStatus.FINISHED_STOPPED, token, ""
-        delta = ""
-        if seq.detokenizer is not None:
-            delta, hit = seq.detokenizer.add([token])
-            if hit:
-                return SequenceStatus.FINISHED_STOPPED, seq.detokenizer.stop_string, delta
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None, delta
-        return None, None, delta
-
-    def _advance(
-        self,
-        request: Request,
-        seq: Sequence,
-        token: int,
-        logprobs: TokenLogprobs | None,
-        now: float,
-    ) -> StepOutput:
-        """Account for one new token of a sequence: text, stop checks, finishing."""
-        if seq.matcher is not None:
-            seq.matcher.consume(token)  # (the mask allowed it: a refusal is an engine fault)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        end, stop_reason, delta = self._ending(seq, token, request.params)
-        if end is None:
-            seq.text += delta
-            return StepOutput(
-                request.request_id,
-                seq.index,
-                [token],
-                delta,
-                logprobs=[logprobs] if logprobs else [],
-            )
-        if seq.detokenizer is not None and not seq.detokenizer.stopped:
-            delta += seq.detokenizer.flush()  # held-back text that turned out not to be a stop
-        self.scheduler.finish(seq, end, now, stop_reason)
-        return self._final_output(request, seq, [token], delta, [logprobs] if logprobs else [])
-
-    def _final_output(
-        self,
-        request: Request,
-        seq: Sequence,
-        tokens: list[int],
-        delta: str,
-        logprobs: list[TokenLogprobs] | None = None,
-    ) -> StepOutput:
-        seq.text += delta
-        return StepOutput(
-            request.request_id,
-            seq.index,
-            tokens,
-            delta,
-            finished=True,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=logprobs or [],
-            usage=self._usage(request),
-            timings=self._timings(request, seq),
-            seed=request.seed,
-        )
 
     def _fork_samples(
         self, request: Request, logits_row: torch.Tensor, now: float
@@ -618,7 +433,7 @@ class LLMEngine:
         parent = request.seqs[0]
         outputs = []
         for index in range(1, request.params.n):
-            child = self._new_sequence(
+            child = self.outputs.new_sequence(
                 parent.fork(request.request_id, num_tokens=parent.num_prompt_tokens, index=index),
                 request.params,
                 request.seed,
@@ -629,34 +444,11 @@ class LLMEngine:
             token = drawn.token_ids[0]
             child.append_token(token)
             request.seqs.append(child)
-            out = self._advance(request, child, token, drawn.logprobs[0], now)
+            out = self.outputs.advance(request, child, token, drawn.logprobs[0], now)
             if not child.is_finished:
                 self.scheduler.fork(parent, child)
             outputs.append(out)
         return outputs
-
-    def _usage(self, request: Request) -> Usage:
-        completion = sum(s.num_output_tokens for s in request.seqs)
-        return Usage(
-            prompt_tokens=len(request.prompt_token_ids),
-            cached_tokens=request.seqs[0].num_cached_tokens,
-            completion_tokens=completion,
-        )
-
-    def _timings(self, request: Request, seq: Sequence) -> Timings:
-        def since(t: float | None, start: float | None) -> float | None:
-            return None if t is None or start is None else t - start
-
-        n = seq.num_output_tokens
-        tpot = None
-        if n > 1 and seq.first_token_time is not None and seq.last_token_time is not None:
-            tpot = (seq.last_token_time - seq.first_token_time) / (n - 1)
-        return Timings(
-            queue_s=since(request.first_scheduled_time, request.arrival_time),
-            ttft_s=since(seq.first_token_time, request.arrival_time),
-            tpot_s=tpot,
-            total_s=since(seq.finished_time, request.arrival_time),
-        )
 
     # -- blocking convenience ------------------------------------------------------------------
 
@@ -670,31 +462,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> list[GenerateResult]:
         """Run the given prompts to completion together; results in the order given."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        kinds = [
-            (k, list(v))
-            for k, v in (
-                ("prompt", prompts),
-                ("prompt_token_ids", prompt_token_ids),
-                ("messages", messages),
-            )
-            if v is not None
-        ]
-        if len(kinds) != 1:
-            raise EngineError(
-                "give exactly one of prompts, prompt_token_ids or messages", field="prompt"
-            )
-        kind, items = kinds[0]
-        per_item: list[SamplingParams | None]
-        if params is None or isinstance(params, SamplingParams):
-            per_item = [params] * len(items)
-        else:
-            per_item = list(params)
-        if len(per_item) != len(items):
-            raise EngineError(
-                f"{len(per_item)} sampling params for {len(items)} prompts", field="params"
-            )
+        kind, items, per_item = prompts_and_params(prompts, params, prompt_token_ids, messages)
         ids = []
         try:
             for item, p in zip(items, per_item):
@@ -708,26 +476,4 @@ class LLMEngine:
         requests = {rid: self._requests[rid] for rid in ids}
         while any(not r.finished for r in requests.values()):
             self.step()
-        return [self._result(requests[rid]) for rid in ids]
-
-    def _result(self, request: Request) -> GenerateResult:
-        samples = [
-            SampleResult(
-                index=s.index,
-                token_ids=s.output_token_ids,
-                text=s.text,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=s.logprobs,
-                timings=self._timings(request, s),
-            )
-            for s in sorted(request.seqs, key=lambda s: s.index)
-        ]
-        return GenerateResult(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            samples,
-            self._usage(request),
-            request.seed,
-        )
+        return [result(requests[rid]) for rid in ids]

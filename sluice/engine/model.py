@@ -7,15 +7,15 @@ norm (`KernelOps.add_rmsnorm`), which is where the fused kernels save a pass ove
 states. Norms follow HF's RMSNorm exactly (float32 statistics, cast back, then scale), so float32
 logits match transformers to ~1e-6.
 
-A kernel family may run the whole stack of layers in one call instead (`KernelOps.run_layers`:
-the native family's C stack for weights packed for its kernels), with the same results.
+This is the layer-by-layer route of a step (`forward.LayerByLayer`); the engine may run the same
+arithmetic by another (`forward`: the native family's one C call for the whole stack).
 
 Under tensor parallelism (`tensor_parallel`) each rank's model holds some of the heads and MLP
 columns; o_proj and down then give partial sums, which `all_reduce` adds up across the ranks, and
 the layers run one by one (the C stack cannot stop between layers to communicate).
 
 The weights come from `loader` (tensor names and shapes are the loader's business) and may be
-transformed after building (packed for oneDNN, quantized: `weights.transform_weights`).
+transformed after building (packed for oneDNN, quantized: `weight_transforms.transform_weights`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .kernel_ops import KernelOps
+from .kernel_ops.base import KernelOps
 from .kernel_ops.torch_ops import TorchOps
 from .paged_cache import LayerKVCache
 from .rope import RotaryEmbedding
@@ -109,7 +109,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         embed = Embedding(weights.embed)
-        self.embed_tokens: nn.Module = embed  # another form after `weights.quantize_int8`
+        self.embed_tokens: nn.Module = embed  # another form after `weight_transforms.quantize_int8`
         self.layers = nn.ModuleList(DecoderLayer(config, w) for w in weights.layers)
         self.norm = frozen_parameter(weights.norm)
         self.eps = config.rms_norm_eps
@@ -146,14 +146,14 @@ class CausalLM(nn.Module):
         """The tokens' embeddings x [T, H] -> final-norm hidden states [T, H]."""
         ops = self.ops
         rope = ops.rotary_tables(self.rotary, plan.positions, x.dtype)
-        stacked = None if self.sharded else ops.run_layers(self.layers, x, rope, plan, kv_caches)
-        if stacked is not None:
-            x, residual = stacked
-        else:
-            residual = None
-            for layer, cache in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, rope, plan, cache, ops)
-        return ops.add_rmsnorm(x, residual, self.norm, self.eps)[0]
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, rope, plan, cache, ops)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's (x, residual) -> final-norm hidden states [T, H]."""
+        return self.ops.add_rmsnorm(x, residual, self.norm, self.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

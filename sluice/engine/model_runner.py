@@ -1,7 +1,6 @@
-"""Turns a ScheduledBatch into a step plan and tensors, runs one forward over the flat batch,
-returns logits. A step of decodes only goes from token ids to logits in one call where the kernel
-family has one (`KernelOps.forward_decodes`), with the same bits, or as a replayed CUDA graph
-where the engine captured them (`captured_decode`).
+"""Turns a ScheduledBatch into the step's inputs, makes its block copies, and runs one forward over
+the flat batch by the route chosen when the runner was built (`forward.choose_forward`: layer by
+layer, the native stack, captured CUDA graphs); returns logits.
 
 It owns the paged KV cache: per layer a `LayerKVCache`, K and V of [num_blocks, Hkv, block_size, D]
 (`attention.kv_cache_shape`) in the model dtype, or quantized with per-block-and-head scales.
@@ -11,18 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
 
 import torch
 
 from .attention import kv_cache_shape
-from .captured_decode import CapturedDecode
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError
+from .forward import Forward, StepInputs, choose_forward
 from .model import CausalLM
 from .page_reservation import reserve_in_background
 from .paged_cache import LayerKVCache, bytes_per_block
-from .step_plan import AttentionSpec, StepPlan, build_step_plan
+from .step_plan import AttentionSpec
 
 # CPU default KV budget when EngineConfig.kv_cache_bytes is None: a fifth of the memory the OS
 # reports available, kept between 256 MiB and 4 GiB (SmolLM2 in float32 needs 45 KiB per token,
@@ -75,18 +73,6 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig) -> int
     return int(n)
 
 
-@dataclass
-class StepInputs:
-    """What one forward takes from the batch scheduler (what every tensor-parallel rank is sent):
-    the block copies to make first, then the new tokens of each sequence."""
-
-    token_ids: list[int]  # the flat batch
-    query_lens: list[int]  # per sequence: its new tokens
-    seq_lens: list[int]  # per sequence: its context after this step
-    block_tables: list[list[int]]  # per sequence: the blocks that context is in
-    block_copies: list[tuple[int, int]]
-
-
 class ModelRunner:
     def __init__(
         self, model: CausalLM, config: ModelConfig, engine_config: EngineConfig, num_blocks: int
@@ -112,16 +98,9 @@ class ModelRunner:
         ]
         self.attention = AttentionSpec.of(config, model.dtype, self.kv_caches[0])
         self.reserving = reserve_in_background([t for c in self.kv_caches for t in c.tensors()])
-        # decode steps replayed from CUDA graphs (`captured_decode`), where configured
-        self.captured: CapturedDecode | None = None
-        if engine_config.cuda_graphs:
-            self.captured = CapturedDecode(
-                model,
-                self.attention,
-                self.kv_caches,
-                engine_config.max_num_seqs,
-                engine_config.max_model_len or config.max_position_embeddings,
-            )
+        self.route: Forward = choose_forward(
+            model, self.attention, self.kv_caches, self.embed, engine_config
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy-on-write of a shared last block)."""
@@ -131,20 +110,6 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
-
-    def plan(
-        self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]]
-    ) -> StepPlan:
-        """The step's plan: its layout, and what the model's kernels precompute for it."""
-        layout = build_step_plan(
-            query_lens,
-            seq_lens,
-            block_tables,
-            self.block_size,
-            self.device,
-            self.config.sliding_window,
-        )
-        return self.model.ops.plan(layout, self.attention)
 
     def step_inputs(self, batch) -> StepInputs:
         """The forward's inputs for a scheduled batch."""
@@ -164,24 +129,7 @@ class ModelRunner:
         self.copy_blocks(inputs.block_copies)
         if not inputs.token_ids:
             return None
-        hidden = self._forward_decodes(inputs) if _decodes_only(inputs) else None
-        if hidden is not None:
-            return hidden
-        plan = self.plan(inputs.query_lens, inputs.seq_lens, inputs.block_tables)
-        return self.model.forward_embedded(self.embed(inputs.token_ids), plan, self.kv_caches)
-
-    def _forward_decodes(self, inputs: StepInputs, logits: bool = False) -> torch.Tensor | None:
-        """A decodes-only step's hidden states (or logits) in one call where the kernel family
-        has one (`KernelOps.forward_decodes`); None: it has not."""
-        return self.model.ops.forward_decodes(
-            self.model,
-            self.attention,
-            inputs.token_ids,
-            inputs.seq_lens,
-            inputs.block_tables,
-            self.kv_caches,
-            logits=logits,
-        )
+        return self.route.hidden(inputs)
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         """The step's tokens embedded [T, H]."""
@@ -197,37 +145,13 @@ class ModelRunner:
     def execute(self, batch) -> torch.Tensor:
         """Run the batch's new tokens (after its block copies); float32 logits
         [num sampled seqs, V], rows in the order of the seqs with sample=True."""
-        inputs = self.step_inputs(batch)
-        if _decodes_only(inputs) and all(batch.sample) and not self.model.sharded:
-            # token ids to logits in one call where the family has one (a lone request's step
-            # then has no Python between its kernels)
-            self.copy_blocks(inputs.block_copies)
-            logits = None
-            if self.captured is not None:
-                logits = self.captured.logits(
-                    inputs.token_ids, inputs.seq_lens, inputs.block_tables
-                )
-            if logits is None:
-                logits = self._forward_decodes(inputs, logits=True)
-            if logits is not None:
-                return logits.float()
-            inputs = replace(inputs, block_copies=[])  # made just now
-        hidden = self.forward(inputs)
-        if hidden is None:
+        return self.logits(self.step_inputs(batch), batch.sample)
+
+    @torch.inference_mode()
+    def logits(self, inputs: StepInputs, sample: list[bool]) -> torch.Tensor:
+        """The block copies, then the new tokens through the model: float32 logits [n, V] of the
+        last token of each sequence with sample[i]."""
+        self.copy_blocks(inputs.block_copies)
+        if not inputs.token_ids:
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-
-        last, offset = [], 0
-        for n, s in zip(inputs.query_lens, batch.sample):
-            offset += n
-            if s:
-                last.append(offset - 1)
-        if not last:
-            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(
-            hidden.index_select(0, torch.tensor(last, device=self.device))
-        )
-
-
-def _decodes_only(inputs: StepInputs) -> bool:
-    """Whether the step has tokens and every sequence adds exactly one."""
-    return bool(inputs.token_ids) and all(n == 1 for n in inputs.query_lens)
+        return self.route.logits(inputs, sample)

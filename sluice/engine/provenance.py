@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .engine import LLMEngine
+    from .config import EngineConfig
+    from .kernel_ops.base import KernelOps
     from .tokenizer import Tokenizer
 
 # The CPU features that choose code paths, and so rounding, in torch and in our kernels.
@@ -81,26 +82,33 @@ class Provenance:
         }
 
 
-def engine_provenance(engine: LLMEngine, weights_sha256: str) -> Provenance:
-    config = engine.config
+def engine_provenance(
+    model_id: str,
+    config: EngineConfig,
+    ops: KernelOps,
+    tokenizer: Tokenizer | None,
+    weights_sha256: str,
+) -> Provenance:
+    """The record of an engine built from `model_id` with `config` (dtype and quantization
+    resolved), running on `ops`."""
     device = torch.device(config.device)
-    native = engine.ops.runs_native_code
+    native = ops.runs_native_code
     return Provenance(
-        model=engine.model_id,
+        model=model_id,
         weights_sha256=weights_sha256,
-        tokenizer_sha256=tokenizer_sha256(engine.tokenizer),
-        chat_template_sha256=_sha256_text(engine.tokenizer.chat_template)
-        if engine.tokenizer is not None
+        tokenizer_sha256=tokenizer_sha256(tokenizer),
+        chat_template_sha256=_sha256_text(tokenizer.chat_template)
+        if tokenizer is not None
         else None,
         sluice_version=_sluice_version(),
         git_commit=_git_commit(),
         torch_version=torch.__version__,
         dtype=config.dtype,
         quantization=config.quantization,
-        kv_cache_dtype=str(engine.config.kv_torch_dtype).removeprefix("torch."),
-        kernels=engine.kernels,
+        kv_cache_dtype=str(config.kv_torch_dtype).removeprefix("torch."),
+        kernels=ops.name,
         native_build=_native_build() if native else None,
-        widened_from_rows=_widened_from_rows(engine),
+        widened_from_rows=_widened_from_rows(ops),
         deterministic=config.deterministic,
         device=str(device),
         device_name=_device_name(device),
@@ -108,8 +116,8 @@ def engine_provenance(engine: LLMEngine, weights_sha256: str) -> Provenance:
     )
 
 
-def _widened_from_rows(engine: LLMEngine) -> dict[str, int] | None:
-    rows = getattr(engine.ops, "widen_rows", None)
+def _widened_from_rows(ops: KernelOps) -> dict[str, int] | None:
+    rows = ops.widen_rows
     return {f"{n}x{k}": m for (n, k), m in sorted(rows.items())} if rows else None
 
 

@@ -88,6 +88,11 @@ def inv_freq_and_scale(config: ModelConfig) -> tuple[torch.Tensor, float]:
     raise ModelError(f"unsupported rope type {kind!r}", field="rope_scaling")
 
 
+# Positions computed together in `RotaryEmbedding.table`: small enough that torch never splits
+# the work
+TABLE_CHUNK = 128
+
+
 class RotaryEmbedding(torch.nn.Module):
     inv_freq: torch.Tensor
 
@@ -95,6 +100,27 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         inv_freq, self.scale = inv_freq_and_scale(config)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def table(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [>= length, D/2] float32, filled a chunk of `TABLE_CHUNK` positions at a
+        time and kept: a position gets the same bits in a step of any size (torch computes a
+        tensor's last elements with scalar code and the rest with vector code), and a step reads
+        rows instead of computing them."""
+        have = 0 if self._table is None else self._table[0].shape[0]
+        if self._table is not None and have >= length:
+            return self._table
+        cos = [self._table[0]] if self._table is not None else []
+        sin = [self._table[1]] if self._table is not None else []
+        for start in range(have, length, TABLE_CHUNK):
+            c, s = self.cos_sin(
+                torch.arange(start, start + TABLE_CHUNK, device=self.inv_freq.device),
+                torch.float32,
+            )
+            cos.append(c.squeeze(1))
+            sin.append(s.squeeze(1))
+        self._table = torch.cat(cos), torch.cat(sin)
+        return self._table
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype

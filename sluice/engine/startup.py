@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .config import EngineConfig, ModelConfig
-    from .kernel_ops import KernelOps
+    from .kernel_ops.base import KernelOps
     from .loader import LoadedModel
     from .memory import MemoryReport
     from .provenance import Provenance
@@ -125,6 +125,7 @@ class ReadyReport:
     model_config: ModelConfig
     config: EngineConfig
     kernels: str
+    route: str  # the forward's route (`forward.choose_forward`)
     num_blocks: int
     max_model_len: int
     memory: MemoryReport
@@ -136,7 +137,7 @@ class ReadyReport:
         lines = [
             f"engine ready in {self.seconds:.1f} s: model {self.model_id} "
             f"({self.model_config.architecture}, {self.model_config.num_hidden_layers} layers), "
-            f"dtype {c.dtype} on {c.device}, kernels {self.kernels}; weights "
+            f"dtype {c.dtype} on {c.device}, kernels {self.kernels} ({self.route}); weights "
             f"{m.weight_bytes / 2**20:.0f} MiB ({c.quantization or 'unquantized'}; "
             f"{m.weight_bytes_unquantized / 2**20:.0f} MiB as plain {c.dtype} tensors); KV cache "
             f"{self.num_blocks} blocks x {c.block_size} tokens ({m.kv_cache_bytes / 2**20:.0f} MiB "

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .attention import TorchAttentionPlan
     from .config import ModelConfig
     from .paged_cache import LayerKVCache
 
@@ -110,7 +109,8 @@ class StepPlan:
     attention: AttentionSpec | None = None  # what the step was planned for
     decodes: DecodeRows | None = None
     prefills: PrefillRows | None = None
-    torch_attention: TorchAttentionPlan | None = None
+    # the torch path's `attention.TorchAttentionPlan` (opaque here: that module builds on this one)
+    torch_attention: object | None = None
     compact: CompactCache | None = None
 
     @property

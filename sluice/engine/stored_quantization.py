@@ -1,7 +1,7 @@
 """`quantization="auto"` (the CLI's default): a file's quantized matrices run quantized, each in
 the narrowest of the engine's formats that holds what the file stores (int4 weights keep the
-matrices a file stores wider in int8: `weights.quantize_in_blocks`), as a llama.cpp user expects
-of a GGUF; float files run unquantized.
+matrices a file stores wider in int8: `weight_transforms.quantize_in_blocks`), as a llama.cpp user
+expects of a GGUF; float files run unquantized.
 
     choice = quantization_as_stored(("Q4_1",), ops)   # -> StoredChoice("int4", "...")
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .loader.gguf_blocks import FOUR_BIT_TYPES
 
 if TYPE_CHECKING:
-    from .kernel_ops import KernelOps
+    from .kernel_ops.base import KernelOps
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from test_engine_kernels import DEVICE, engine, greedy, prompts
 from sluice.engine.captured_decode import CapturedDecode, decode_buckets
 from sluice.engine.config import EngineConfig
 from sluice.engine.errors import ConfigError
-from sluice.engine.model_runner import StepInputs
+from sluice.engine.forward import CapturedGraphs, StepInputs
 from sluice.engine.sampling_params import SamplingParams
 
 
@@ -24,7 +24,7 @@ def captured_engine(path, **config):
         return engine(path, "triton", cuda_graphs=True, **config)
     e = engine(path, "triton", **config)
     runner = e.runner
-    runner.captured = CapturedDecode(
+    captured = CapturedDecode(
         runner.model,
         runner.attention,
         runner.kv_caches,
@@ -32,7 +32,16 @@ def captured_engine(path, **config):
         e.max_model_len,
         capture=False,
     )
+    runner.route = CapturedGraphs(
+        runner.model, runner.attention, runner.kv_caches, runner.embed, captured
+    )
     return e
+
+
+def captured_of(e) -> CapturedDecode:
+    """The engine's captured decode steps (its route must be `CapturedGraphs`)."""
+    assert isinstance(e.runner.route, CapturedGraphs), e.runner.route
+    return e.runner.route.captured
 
 
 @pytest.mark.parametrize(
@@ -45,8 +54,8 @@ def test_replayed_decode_steps_give_the_eager_steps_greedy_tokens(tmp_path, quan
     eager, replayed = engine(tmp_path, "triton", **quant), captured_engine(tmp_path, **quant)
     ps = prompts(eager.model_config.vocab_size)
     assert greedy(replayed, ps) == greedy(eager, ps)
-    captured = replayed.runner.captured
-    assert captured is not None and captured.replays > 0
+    captured = captured_of(replayed)
+    assert captured.replays > 0
     # requests that stop at different lengths leave decode steps of 6, 5, ..., 1 sequences: most
     # pad up to a bucket
     lengths = [3, 5, 7, 9, 11, 13]
@@ -63,8 +72,7 @@ def test_replayed_decode_steps_give_the_eager_steps_greedy_tokens(tmp_path, quan
 def test_padding_rows_write_nothing_and_real_rows_match_the_eager_step(tmp_path):
     build("llama").save_pretrained(tmp_path)
     e = captured_engine(tmp_path)
-    runner, captured = e.runner, e.runner.captured
-    assert captured is not None
+    runner, captured = e.runner, captured_of(e)
     g = torch.Generator().manual_seed(5)
     for cache in runner.kv_caches:
         for t in (cache.k, cache.v):
@@ -104,8 +112,8 @@ def test_padding_rows_write_nothing_and_real_rows_match_the_eager_step(tmp_path)
 def test_steps_larger_than_every_bucket_run_eagerly(tmp_path):
     build("llama").save_pretrained(tmp_path)
     e = captured_engine(tmp_path, max_num_seqs=2)
-    captured = e.runner.captured
-    assert captured is not None and captured.buckets == [1, 2]
+    captured = captured_of(e)
+    assert captured.buckets == [1, 2]
     assert captured.logits([5, 6, 7], [1, 1, 1], [[1], [2], [3]]) is None
     ps = prompts(e.model_config.vocab_size)[:3]
     assert greedy(e, ps) == greedy(engine(tmp_path, "triton", max_num_seqs=2), ps)

@@ -17,6 +17,7 @@ from test_engine_kernels import engine
 
 from sluice.engine.cpu_kernels.decode_forward import DecodeForward
 from sluice.engine.cpu_kernels.decoder_layers import LayerStack
+from sluice.engine.forward import LayerByLayer, NativeStack
 from sluice.engine.kernel_ops.native_ops import NativeOps
 from sluice.engine.sampling_params import SamplingParams
 
@@ -77,16 +78,19 @@ def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(LayerStack, "run", counted)
     monkeypatch.setattr(DecodeForward, "run", counted_decodes)
-    stacked = _outputs(engine(tmp_path, "native", **config))
+    e = engine(tmp_path, "native", **config)
+    assert isinstance(e.runner.route, NativeStack), e.runner.route.name
+    stacked = _outputs(e)
     assert calls["stack"] > 0, "the one call never ran"
     # steps of decodes only run from token ids to the final norm in one call (deterministic mode
     # sends decodes through the prefill kernel: the model's forward)
     assert (calls["decodes"] > 0) == (not config.get("deterministic")), calls
 
-    monkeypatch.setattr(NativeOps, "run_layers", lambda self, *a: None)
-    monkeypatch.setattr(NativeOps, "forward_decodes", lambda self, *a, **kw: None)
+    monkeypatch.setattr(NativeOps, "runs_layer_stack", lambda self, spec: False)
     calls.update(stack=0, decodes=0)
-    layered = _outputs(engine(tmp_path, "native", **config))
+    e = engine(tmp_path, "native", **config)
+    assert type(e.runner.route) is LayerByLayer, e.runner.route.name
+    layered = _outputs(e)
     assert calls == {"stack": 0, "decodes": 0}
     assert stacked == layered
 
@@ -96,3 +100,4 @@ def test_float_weights_stay_on_the_layer_by_layer_path(tmp_path):
     build("llama", **D64).save_pretrained(tmp_path)
     e = engine(tmp_path, "native", block_size=16, device="cpu")
     assert LayerStack.of(e.runner.model.layers) is None
+    assert type(e.runner.route) is LayerByLayer

@@ -8,6 +8,7 @@ import pytest
 from test_engine import save_tiny, tiny_engine
 
 from sluice.engine.engine import LLMEngine
+from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -69,14 +70,14 @@ def test_a_fault_after_some_tokens_keeps_what_was_produced(engine):
 
 
 def test_a_fault_in_one_requests_own_bookkeeping_ends_only_that_request(engine, monkeypatch):
-    real = LLMEngine._ending
+    real = OutputProcessor.ending
 
     def broken(self, seq, token, params):
         if seq.request_id == "r4" and seq.num_output_tokens == 3:
             raise KeyError("stop check broke")
         return real(self, seq, token, params)
 
-    monkeypatch.setattr(LLMEngine, "_ending", broken)
+    monkeypatch.setattr(OutputProcessor, "ending", broken)
     tokens, finals = run(engine, prompts())
     assert finals["r4"].finish_reason == "error" and "KeyError" in finals["r4"].error
     assert all(finals[r].finish_reason == "length" for r in prompts() if r != "r4")

@@ -20,6 +20,7 @@ import torch
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import ConfigError
+from sluice.engine.forward import StepInputs
 from sluice.engine.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -90,8 +91,8 @@ def chunked_logits(engine: LLMEngine, ids: list[int], chunk: int = 16) -> torch.
     rows = []
     for start in range(0, len(ids), chunk):
         end = min(len(ids), start + chunk)
-        plan = runner.plan([end - start], [end], [table[: -(-end // bs)]])
-        hidden = runner.model(torch.tensor(ids[start:end]), plan, runner.kv_caches)
+        step = StepInputs(ids[start:end], [end - start], [end], [table[: -(-end // bs)]], [])
+        hidden = runner.forward(step)
         rows.append(runner.model.compute_logits(hidden))
     return torch.cat(rows)
 

@@ -11,8 +11,9 @@ import torch
 
 from sluice.engine.draws import draw_word
 from sluice.engine.errors import EngineError
-from sluice.engine.sampler import Sampler, apply_penalties, kept_tokens
+from sluice.engine.sampler import Sampler, apply_penalties
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.truncated_draw import kept_tokens
 
 
 @dataclass

@@ -7,7 +7,7 @@ arguments, the final norm and the LM head's call cost a lone request ~0.4 ms of 
 (the caches cold after the step's weights streamed through them), against ~0.05 for the few
 arrays built here.
 
-    forward = DecodeForward.of(model, stack)    # None where the embedding is not served
+    forward = DecodeForward(model, stack, rows)    # rows: the embedding (`EmbeddingRows`)
     hidden = forward.run(token_ids, seq_lens, block_tables, caches, block_size, window, rope)
     logits = forward.run(..., logits=True)      # the LM head too, where it is packed for C
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,49 +46,39 @@ class _Embedding(ctypes.Structure):
     ]
 
 
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """The token table as the C call reads it: `kind` one of EMBED_*; `data` the rows in the
+    model's type, a packed int8 head's blocks, or int8 codes; `scales` float32, one a row (int8
+    codes only); `vocab` rows."""
+
+    kind: int
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    vocab: int
+
+
 class DecodeForward:
     """A model's forward for steps of decodes only (one new token a sequence), as one C call."""
 
-    def __init__(self, model: Any, stack: LayerStack, embedding: _Embedding):
+    def __init__(self, model: Any, stack: LayerStack, rows: EmbeddingRows):
+        if not rows.data.is_contiguous() or (
+            rows.scales is not None and not rows.scales.is_contiguous()
+        ):
+            raise ValueError("the embedding's rows must be contiguous")
         self.model = model  # model.CausalLM
         self.stack = stack
-        self.embedding = embedding
+        self.rows = rows  # (keeps the tensors the C table points into)
+        self.embedding = _Embedding(
+            rows.data.data_ptr(),
+            None if rows.scales is None else rows.scales.data_ptr(),
+            rows.vocab,
+            rows.kind,
+        )
         self.dtype = model.dtype
         # the LM head as the C call takes it and its rows; None: not packed for a C kernel
         self.head = c_weight(model.lm_head)
         self.vocab = model.lm_head.packed.n if self.head is not None else 0
-
-    @classmethod
-    def of(cls, model: Any, stack: LayerStack) -> DecodeForward | None:
-        """The call for `model` (its layers as `stack`), or None where its embedding is none of
-        a table in the model's type, rows of a packed int8 head (`BlockInt8Embedding`) and int8
-        rows with a scale each (`Int8Embedding`)."""
-        from ..weights import BlockInt8Embedding, Embedding, Int8Embedding
-
-        embed = model.embed_tokens
-        if isinstance(embed, BlockInt8Embedding) and embed.dtype == model.dtype:
-            packed = embed.packed
-            table = _Embedding(packed.data.data_ptr(), None, packed.n, EMBED_BLOCKS)
-        elif isinstance(embed, Embedding) and embed.weight.dtype == model.dtype:
-            weight = embed.weight
-            if not weight.is_contiguous():
-                return None
-            table = _Embedding(weight.data_ptr(), None, weight.shape[0], EMBED_TABLE)
-        elif (
-            isinstance(embed, Int8Embedding)
-            and embed.dtype == model.dtype
-            and embed.qweight.is_contiguous()
-            and embed.scale.dtype == torch.float32
-            and embed.scale.dim() == 1
-            and embed.scale.is_contiguous()
-        ):
-            codes = embed.qweight
-            table = _Embedding(
-                codes.data_ptr(), embed.scale.data_ptr(), codes.shape[0], EMBED_ROWS_INT8
-            )
-        else:
-            return None
-        return cls(model, stack, table)
 
     def run(
         self,

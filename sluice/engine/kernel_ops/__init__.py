@@ -25,7 +25,7 @@ KERNEL_CHOICES = ("auto", "torch", "triton", "native")
 def resolve_kernel_ops(choice: str, device_type: str, deterministic: bool = False) -> KernelOps:
     """The family for a configured choice on a device type ("cpu", "cuda"), in deterministic
     mode or not; raises ConfigError naming why a forced family cannot run here."""
-    from ..kernels import interpreting, native_available, triton_available
+    from ..kernels import interpreting, triton_available
 
     def fail(message: str) -> ConfigError:
         return ConfigError(message, field="kernels")
@@ -66,12 +66,17 @@ def resolve_kernel_ops(choice: str, device_type: str, deterministic: bool = Fals
 
 def _require_native(what: str, field: str) -> None:
     """ConfigError "`what`: why", naming `field`, where the native CPU kernels did not build."""
-    from ..kernels import native_available
-
     if not native_available():
         from ..cpu_kernels import unavailable_reason
 
         raise ConfigError(f"{what}: {unavailable_reason()}", field=field)
+
+
+def native_available() -> bool:
+    """Whether the native CPU kernels built (or were built before) on this machine."""
+    from ..cpu_kernels import library
+
+    return library() is not None
 
 
 def _deterministic(choice: str, device_type: str) -> KernelOps:

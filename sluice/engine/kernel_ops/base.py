@@ -15,7 +15,8 @@ attention kernels precompute, once for all layers.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -34,9 +35,9 @@ RopeTables = tuple[
 
 class KernelOps(ABC):
     name: ClassVar[str]  # as `EngineConfig.kernels` names the family
-    # The layout `weights.transform_weights` packs unquantized weights in for this family
+    # The layout `weight_transforms.transform_weights` packs unquantized weights in for this family
     weight_layout: ClassVar[str] = "onednn"
-    # How `--quantization int8` stores weights for this family (`weights.INT8_FORMATS`)
+    # How `--quantization int8` stores weights for this family (`weight_transforms.INT8_FORMATS`)
     int8_format: ClassVar[str] = "per-channel"
     # The `--quantization` settings the family multiplies (others are refused at start)
     quantizations: ClassVar[tuple[str, ...]] = ("int8", "int4")
@@ -48,7 +49,10 @@ class KernelOps(ABC):
     # widened to bfloat16 for a oneDNN matmul (`widen_probe`), and hands the answer to
     # `widen_rows`: (N, K) of a weight -> rows; empty, always as stored
     measures_widening: ClassVar[bool] = False
-    widen_rows: dict[tuple[int, int], int]
+    widen_rows: Mapping[tuple[int, int], int] = MappingProxyType({})
+    # Whether, where its layers run as one native call, a step of decodes only may go from token
+    # ids to logits in one call too (`cpu_kernels.decode_forward`)
+    decodes_in_one_call: ClassVar[bool] = False
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back
@@ -105,35 +109,11 @@ class KernelOps(ABC):
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         """x @ W.T (+ bias) for a weight in any of the forms of `weights` (plain, packed, int8)."""
 
-    def run_layers(
-        self,
-        layers: Iterable[nn.Module],
-        x: torch.Tensor,
-        rope: RopeTables,
-        plan: StepPlan,
-        caches: Sequence[LayerKVCache],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole stack of decoder layers in one call, where the family has one for these
-        weights and this step: (x, residual) as the layers one by one would give them. None: the
-        model runs the layers one by one."""
-        return None
-
-    def forward_decodes(
-        self,
-        model: nn.Module,
-        spec: AttentionSpec,
-        token_ids: Sequence[int],
-        seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        caches: Sequence[LayerKVCache],
-        logits: bool = False,
-    ) -> torch.Tensor | None:
-        """A step of decodes only (sequence i's one new token token_ids[i], its context
-        seq_lens[i] tokens in blocks block_tables[i]) from token ids to the final norm's output
-        [n, H], or with `logits` to the LM head's [n, V] in the model's type, in one call, where
-        the family has one for this model: the same bits as the model's forward and
-        `compute_logits`. None: the model's forward runs."""
-        return None
+    def runs_layer_stack(self, spec: AttentionSpec) -> bool:
+        """Whether a step's decoder layers may run as one native call for a model of `spec`
+        (`forward.NativeStack`, where every matmul weight is packed for the C kernels), with the
+        bits this family's operations give layer by layer."""
+        return False
 
     @abstractmethod
     def draw(

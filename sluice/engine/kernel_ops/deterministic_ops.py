@@ -39,6 +39,7 @@ class DeterministicOps(NativeOps):
     name = "deterministic"
     weight_layout = "fixed-order"
     measures_widening = False  # (its int8 steps are never widened: the same bits at every size)
+    decodes_in_one_call = False  # decodes go through the prefill kernel (`plan`)
 
     def check(self, spec: AttentionSpec) -> None:
         served, prefill_served = c_attention_served(spec)
@@ -55,9 +56,6 @@ class DeterministicOps(NativeOps):
         # decodes as chunks of one, no decode rows: the native family's write_kv and attend then
         # run every sequence through the prefill kernel (`check` made sure it serves the model)
         return replace(step, attention=spec, prefills=prefill_rows(step, min_query_len=1))
-
-    def forward_decodes(self, model, spec, token_ids, seq_lens, block_tables, caches, logits=False):
-        return None  # decodes go through the prefill kernel (`plan`), by the model's forward
 
     def linear(self, x, layer: nn.Module):
         if not isinstance(layer, (FixedOrderLinear, BlockInt8Linear)):

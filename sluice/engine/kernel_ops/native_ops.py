@@ -3,12 +3,11 @@
 bfloat16 models, on a cache of the model's type or an int8 one, read directly), RMSNorm with the
 residual add, rotary (cos and sin from a table: `ChunkedRope`) and SiLU-and-multiply, int8
 weights multiplied as stored (`block_int8_linear`); torch (oneDNN) for the float matmuls, and the
-sampler. Where every matmul weight is packed for a C kernel (int8 or int4 weights), a step's whole
-stack of layers is one C call (`decoder_layers`: the same kernels, the same bits, no Python
-between them), and a step of decodes only is one C call from token ids to the final norm, or to
-the logits (`forward_decodes`: the embedding, the rotary rows, the final norm and the LM head
-too). A step with enough rows may widen a quantized weight to bfloat16 for a oneDNN matmul
-instead, where the engine measured that faster (`widen_rows`, `widen_probe`).
+sampler. Where every matmul weight is packed for a C kernel (int8 or int4 weights), the engine
+runs a step's whole stack of layers as one C call with these same kernels (`runs_layer_stack`,
+`forward.NativeStack`), and a step of decodes only from token ids to the logits
+(`decodes_in_one_call`). A step with enough rows may widen a quantized weight to bfloat16 for a
+oneDNN matmul instead, where the engine measured that faster (`widen_rows`, `widen_probe`).
 
 Where the attention kernels do not serve a model's shapes (`c_attention_served`), its attention
 takes the torch family's path; prefill chunks go through SDPA where only the prefill kernel lacks
@@ -25,8 +24,6 @@ import torch.nn.functional as F
 
 from ..cpu_kernels import kv_write, paged_decode, paged_prefill
 from ..cpu_kernels.block_int8_linear import BlockInt8Weight, widen_blocks
-from ..cpu_kernels.decode_forward import DecodeForward
-from ..cpu_kernels.decoder_layers import LayerStack
 from ..cpu_kernels.layer_ops import add_rmsnorm_native, rotary_native_, silu_and_mul_native
 from ..paged_cache import LayerKVCache
 from ..step_plan import AttentionSpec, StepPlan, decode_rows, prefill_rows
@@ -55,13 +52,7 @@ class NativeOps(ChunkedRope, TorchOps):
     runs_native_code = True
     measures_widening = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        # by id of the model's layer list: its layers as one C call, or None where they cannot be
-        self._stacks: dict[int, LayerStack | None] = {}
-        # by id of the model: a step of decodes as one C call, or None where it cannot be
-        self._decode_forwards: dict[int, DecodeForward | None] = {}
-        self.widen_rows = {}  # (set by the engine: see `KernelOps.measures_widening`)
+    decodes_in_one_call = True
 
     def linear(self, x, layer):
         packed = getattr(layer, "packed", None)
@@ -129,39 +120,8 @@ class NativeOps(ChunkedRope, TorchOps):
             )
         return out
 
-    def _stack(self, layers, spec: AttentionSpec, rows: int) -> LayerStack | None:
-        """The layers as one C call for a step of `rows` tokens, where every matmul weight is
-        packed for a C kernel and both attention kernels serve the model."""
-        if c_attention_served(spec) != (True, True):
-            return None
-        if self.widen_rows and rows >= min(self.widen_rows.values()):
-            return None  # some projection widens at this many rows: layer by layer
-        key = id(layers)
-        if key not in self._stacks:
-            self._stacks[key] = LayerStack.of(layers)
-        return self._stacks[key]
-
-    def run_layers(self, layers, x, rope, plan: StepPlan, caches):
-        stack = self._stack(layers, plan.spec, x.shape[0])
-        return None if stack is None else stack.run(x, plan, caches, rope)
-
-    def forward_decodes(self, model, spec, token_ids, seq_lens, block_tables, caches, logits=False):
-        if model.sharded:
-            return None  # the ranks add their partial sums between layers
-        stack = self._stack(model.layers, spec, len(token_ids))
-        if stack is None:
-            return None
-        key = id(model)
-        if key not in self._decode_forwards:
-            self._decode_forwards[key] = DecodeForward.of(model, stack)
-        forward = self._decode_forwards[key]
-        if forward is None or (logits and forward.head is None):
-            return None
-        rope = self._table(model.rotary, max(seq_lens))
-        window = model.config.sliding_window
-        return forward.run(
-            token_ids, seq_lens, block_tables, caches, spec.block_size, window, rope, logits
-        )
+    def runs_layer_stack(self, spec: AttentionSpec) -> bool:
+        return c_attention_served(spec) == (True, True)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return add_rmsnorm_native(x, residual, weight, eps)

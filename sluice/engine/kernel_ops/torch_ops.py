@@ -19,9 +19,9 @@ from torch import nn
 from .. import attention
 from ..paged_cache import LayerKVCache
 from ..rope import RotaryEmbedding, apply_rotary, full_width
-from ..sampler import draw_torch
 from ..sampling_params import SamplingParams
 from ..step_plan import AttentionSpec, StepPlan, compact_cache
+from ..truncated_draw import draw_torch
 from .base import KernelOps, RopeTables
 
 
@@ -127,5 +127,6 @@ def sdpa_prefills(
         plan = plan.compact.plan
     else:
         kc, vc = cache.k, cache.v
-    if plan.torch_attention is not None:
-        attention.prefill_attention(q, kc, vc, plan.torch_attention.prefills, out, scale, k, v)
+    planned = plan.torch_attention
+    if isinstance(planned, attention.TorchAttentionPlan):
+        attention.prefill_attention(q, kc, vc, planned.prefills, out, scale, k, v)

@@ -25,9 +25,3 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def native_available() -> bool:
-    from sluice.engine.cpu_kernels import library
-
-    return library() is not None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,32 +16,12 @@ import torch
 from ..config import ModelConfig
 from ..errors import ModelError
 from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, Int4Blocks, StoredProjections
+from .loaded import LoadedModel
 
 if TYPE_CHECKING:
-    from ..kernel_ops import KernelOps
+    from ..kernel_ops.base import KernelOps
     from ..model import CausalLM
     from ..tokenizer import Tokenizer
-
-
-@dataclass
-class LoadedModel:
-    config: ModelConfig
-    tensors: dict[
-        str, torch.Tensor
-    ]  # HF names; float32 unless load_model(dtype=...) asked otherwise
-    tokenizer: Tokenizer | None  # None only when load_model(load_tokenizer=False)
-    source: str  # path it came from
-    # the layers' 4-bit matrices as the file's own blocks (`gguf_blocks`), by HF name: int4
-    # weights are built from these rather than quantized again from the values
-    int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
-    # the GGUF type of each layer matrix, by HF name (empty for other files)
-    stored_types: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def stored_formats(self) -> tuple[str, ...]:
-        """The quantized types the file stored the decoder layers' matrices in (GGUF's, such as
-        "Q4_1"), sorted; empty where they were float tensors."""
-        return tuple(sorted({t for t in self.stored_types.values() if t not in FLOAT_TYPES}))
 
 
 def _is_gguf(path: Path) -> bool:
@@ -126,7 +105,7 @@ def build_model(
     file stored in more than 4 bits (`stored_types`, GGUF type by HF name) is int8."""
     from ..config import torch_dtype
     from ..model import CausalLM
-    from ..weights import cast_unquantized, transform_weights
+    from ..weight_transforms import cast_unquantized, transform_weights
     from .tensor_names import check_tensors, model_weights
 
     check_tensors(config, tensors, source)

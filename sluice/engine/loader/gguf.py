@@ -212,7 +212,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
-    from . import LoadedModel
+    from .loaded import LoadedModel
 
     source = str(path)
     reader = open_gguf(source)

@@ -110,8 +110,9 @@ def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
 @dataclass
 class StoredProjections:
     """How a file stores a model's projections, by (layer index, projection name as
-    `weights.PROJECTIONS`): the 4-bit blocks of those whose matrices are all stored in 4 bits,
-    and which have a matrix stored in more (Q5_*, Q6_K, Q8_0: int4 weights keep those in int8)."""
+    `weight_transforms.PROJECTIONS`): the 4-bit blocks of those whose matrices are all stored in
+    4 bits, and which have a matrix stored in more (Q5_*, Q6_K, Q8_0: int4 weights keep those in
+    int8)."""
 
     int4: dict[tuple[int, str], Int4Blocks] = field(default_factory=dict)
     wider: set[tuple[int, str]] = field(default_factory=set)

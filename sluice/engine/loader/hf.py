@@ -91,7 +91,7 @@ def load_tensors(
 
 
 def load_hf_dir(path: Path, dtype: Any = None, load_tokenizer: bool = True):
-    from . import LoadedModel
+    from .loaded import LoadedModel
 
     config = read_config(path)
     tensors, origin = load_tensors(path, config, None if dtype is None else torch_dtype(dtype))

@@ -73,8 +73,8 @@ def check_tensors(
             )
 
 
-# The HF matrices that each of a decoder layer's Linear modules (`weights.PROJECTIONS`) stacks by
-# rows, under "model.layers.N."
+# The HF matrices that each of a decoder layer's Linear modules (`weight_transforms.PROJECTIONS`)
+# stacks by rows, under "model.layers.N."
 PROJECTION_PARTS = {
     "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "o_proj": ("self_attn.o_proj",),

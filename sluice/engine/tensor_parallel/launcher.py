@@ -22,18 +22,24 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from ..config import EngineConfig, ModelConfig
 from ..errors import ConfigError, TensorParallelError
-from ..model_runner import ModelRunner, StepInputs
+from ..forward import StepInputs
+from ..model import CausalLM
+from ..model_runner import ModelRunner
 from .group import TensorParallelGroup, rank_device, rendezvous_store
 from .sharding import ShardPlan
 from .worker import WorkerSpec
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -254,19 +260,28 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0's model runner: each step goes to the workers first; the step's embeddings are
     broadcast from here; the forward takes part in the all-reduces."""
 
-    def __init__(self, workers: Workers, group: TensorParallelGroup, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, workers: Workers, group: TensorParallelGroup, model: CausalLM, *args, **kwargs
+    ):
         self.workers, self.group = workers, group
-        self.model.shard(group.all_reduce)
+        model.shard(group.all_reduce)  # before the runner chooses its route: layer by layer
+        super().__init__(model, *args, **kwargs)
         self.broken: TensorParallelError | None = None
         workers.wait_ready()
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        return self._on_all_ranks(super().forward, inputs)
+
+    def logits(self, inputs: StepInputs, sample: list[bool]) -> torch.Tensor:
+        return self._on_all_ranks(super().logits, inputs, sample)
+
+    def _on_all_ranks(self, run: Callable[..., T], inputs: StepInputs, *args) -> T:
+        """The step sent to the workers, then `run` here: rank 0's part of it."""
         if self.broken is not None:
             raise self.broken
         try:
             self.workers.send_step(inputs)
-            return super().forward(inputs)
+            return run(inputs, *args)
         except BaseException as exc:
             # the workers may be mid-step, waiting in a collective: they cannot be brought back
             # in step with rank 0, so the group ends here

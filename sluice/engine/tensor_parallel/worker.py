@@ -28,9 +28,11 @@ from multiprocessing.connection import Connection
 import torch
 
 from ..config import EngineConfig, ModelConfig
+from ..forward import StepInputs
 from ..kernel_ops import resolve_kernel_ops
 from ..loader import build_model
-from ..model_runner import ModelRunner, StepInputs
+from ..model import CausalLM
+from ..model_runner import ModelRunner
 from .group import TensorParallelGroup, rendezvous_store
 
 log = logging.getLogger(__name__)
@@ -68,10 +70,10 @@ def stand_in_tensors(config: ModelConfig, dtype: torch.dtype) -> dict[str, torch
 class WorkerRunner(ModelRunner):
     """A worker's model runner: the step's embeddings come from rank 0."""
 
-    def __init__(self, group: TensorParallelGroup, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, group: TensorParallelGroup, model: CausalLM, *args, **kwargs):
         self.group = group
-        self.model.shard(group.all_reduce)
+        model.shard(group.all_reduce)  # before the runner chooses its route: layer by layer
+        super().__init__(model, *args, **kwargs)
 
     def embed(self, token_ids: list[int]) -> torch.Tensor:
         x = torch.empty(
