@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Lint, format check and type check: ruff over the whole tree, mypy over sluice/schemas and
-# sluice/engine (configured in pyproject.toml). `scripts/lint.sh --fix` applies ruff's fixes and
-# formatting instead of only checking.
+# Lint, format check and type check: ruff over the whole tree, mypy over the whole sluice package
+# (configured in pyproject.toml). `scripts/lint.sh --fix` applies ruff's fixes and formatting
+# instead of only checking.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
