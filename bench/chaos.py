@@ -32,10 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the tests' plain-client harness
-
-from pipeline_harness import (  # noqa: E402
+from sluice.connectors.kafka_broker import LocalKafka
+from sluice.connectors.redis_server import LocalRedis
+from sluice.testing.bad_messages import bad_message
+from sluice.testing.pipeline_harness import (  # the tests' plain-client harness
     PipelineProcess,
     Streams,
     Watcher,
@@ -44,10 +44,8 @@ from pipeline_harness import (  # noqa: E402
     request,
     sigkill,
 )
-from test_fuzz_input import bad_message  # noqa: E402
 
-from sluice.connectors.kafka_broker import LocalKafka  # noqa: E402
-from sluice.connectors.redis_server import LocalRedis  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "chaos.json"
 SUBJECTS = ["the sea", "a robot", "coffee", "the moon", "trains", "cats", "rain", "music"]
