@@ -1,8 +1,8 @@
 """The delivery guarantees at scale, under faults, on a broker and a Redis of the benchmark's own.
 
-    .venv/bin/python bench/chaos.py                       # exactly-once, the full figures
-    .venv/bin/python bench/chaos.py --delivery both       # each mode in turn
-    .venv/bin/python bench/chaos.py --quick               # 4 kills, 60 requests, 1,000 fuzzed
+    .venv/bin/python -m bench.chaos                       # exactly-once, the full figures
+    .venv/bin/python -m bench.chaos --delivery both       # each mode in turn
+    .venv/bin/python -m bench.chaos --quick               # 4 kills, 60 requests, 1,000 fuzzed
 
 Phases, for each delivery mode, against one `sluice run` (all actors, sessions in Redis):
   kills  N requests published at once (greedy, seeded and unseeded sampled, a sixth of them turns
@@ -317,7 +317,9 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--delivery", choices=["at-least-once", "exactly-once", "both"], default="exactly-once"
