@@ -1,8 +1,8 @@
 """The delivery guarantees at scale, under faults, on a broker and a Redis of the benchmark's own.
 
-    .venv/bin/python bench/chaos.py                       # exactly-once, the full figures
-    .venv/bin/python bench/chaos.py --delivery both       # each mode in turn
-    .venv/bin/python bench/chaos.py --quick               # 4 kills, 60 requests, 1,000 fuzzed
+    .venv/bin/python -m bench.chaos                       # exactly-once, the full figures
+    .venv/bin/python -m bench.chaos --delivery both       # each mode in turn
+    .venv/bin/python -m bench.chaos --quick               # 4 kills, 60 requests, 1,000 fuzzed
 
 Phases, for each delivery mode, against one `sluice run` (all actors, sessions in Redis):
   kills  N requests published at once (greedy, seeded and unseeded sampled, a sixth of them turns
@@ -32,10 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the tests' plain-client harness
-
-from pipeline_harness import (  # noqa: E402
+from sluice.connectors.kafka_broker import LocalKafka
+from sluice.connectors.redis_server import LocalRedis
+from sluice.testing.bad_messages import bad_message
+from sluice.testing.pipeline_harness import (  # the tests' plain-client harness
     PipelineProcess,
     Streams,
     Watcher,
@@ -44,10 +44,8 @@ from pipeline_harness import (  # noqa: E402
     request,
     sigkill,
 )
-from test_fuzz_input import bad_message  # noqa: E402
 
-from sluice.connectors.kafka_broker import LocalKafka  # noqa: E402
-from sluice.connectors.redis_server import LocalRedis  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "bench" / "results" / "chaos.json"
 SUBJECTS = ["the sea", "a robot", "coffee", "the moon", "trains", "cats", "rain", "music"]
@@ -319,7 +317,9 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--delivery", choices=["at-least-once", "exactly-once", "both"], default="exactly-once"

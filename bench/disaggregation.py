@@ -2,8 +2,8 @@
 decodes already running, in one run on the broker of `sluice stack up`; and what handing a
 prompt's KV over costs, per token.
 
-    .venv/bin/python bench/disaggregation.py          # 8 decodes of 192 tokens, 6 of ~1000 in
-    .venv/bin/python bench/disaggregation.py --quick  # 4 decodes of 96 tokens, 3 long prompts
+    .venv/bin/python -m bench.disaggregation          # 8 decodes of 192 tokens, 6 of ~1000 in
+    .venv/bin/python -m bench.disaggregation --quick  # 4 decodes of 96 tokens, 3 long prompts
 
 Two deployments in turn, each with a tokenizer, a scheduler and a streamer (`--routing kv`) and
 two runner processes of one thread each, so both use the same cores:
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from cluster import ROOT, Client, Cluster, cpu_model, log, percentile
+from bench.cluster import ROOT, Client, Cluster, cpu_model, log, percentile
 
 RESULTS = ROOT / "bench" / "results" / "disaggregation.json"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -206,7 +206,9 @@ def tables(results: list[dict], handoff: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.disaggregation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--bootstrap-servers",

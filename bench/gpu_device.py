@@ -10,7 +10,8 @@ import subprocess
 import time
 
 import torch
-from gpu_common import Ctx
+
+from bench.gpu_common import Ctx
 
 
 def device_facts(ctx: Ctx) -> dict:

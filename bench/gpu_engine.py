@@ -13,7 +13,8 @@ import time
 import traceback
 
 import torch
-from gpu_common import Ctx, MissingKernel, cuda_healthy, log
+
+from bench.gpu_common import Ctx, MissingKernel, cuda_healthy, log
 
 ENGINE_VARIANTS = {  # name -> EngineConfig fields
     "triton": {"kernels": "triton"},

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from gpu_common import Ctx, MissingKernel
+
+from bench.gpu_common import Ctx, MissingKernel
 
 # Correctness tolerances on max |kernel - reference| / max |reference|.
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}

@@ -4,8 +4,9 @@ the matmul against its torch reference and float64, and timing beside a dense bf
 from __future__ import annotations
 
 import torch
-from gpu_common import Ctx
-from gpu_kernel_harness import (
+
+from bench.gpu_common import Ctx
+from bench.gpu_kernel_harness import (
     TOL,
     Case,
     compare,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
-from gpu_common import Ctx
-from gpu_kernel_harness import Case, load_ops, timing
+
+from bench.gpu_common import Ctx
+from bench.gpu_kernel_harness import Case, load_ops, timing
 
 
 def sampling_params(ctx: Ctx, g, N: int, V: int):

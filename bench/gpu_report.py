@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from gpu_common import log
+from bench.gpu_common import log
 
 
 def write_json(report: dict, path: Path) -> None:

@@ -9,7 +9,7 @@ Engines that are not installed are reported as such. Then, in sluice's engine (l
 time per generated token of a batch with and without the schema, interleaved round by round.
 
     pip install llguidance xgrammar outlines-core
-    .venv/bin/python bench/grammar_masks.py --walks 20
+    .venv/bin/python -m bench.grammar_masks --walks 20
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_throughput import cpu_model
+from sluice.engine.loader import load_tokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results" / "grammar_masks.json"
-
-from engine_throughput import cpu_model  # noqa: E402
-
-from sluice.engine.loader import load_tokenizer  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -211,7 +209,9 @@ def engine_ms_per_token(rounds: int, batch: int) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.grammar_masks", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--walks", type=int, default=20)
     parser.add_argument("--model", default=None)
     parser.add_argument("--rounds", type=int, default=3, help="engine rounds (0: skip)")

@@ -9,8 +9,8 @@ ratio, and each against the weight-read floor: the bytes of weights a step reads
 stored, norms; of an untied embedding table only a row) over this machine's memory read rate,
 measured here (a 512 MiB sum on the same threads, median of 8).
 
-    .venv/bin/python bench/layer_stack.py --quantization int4 --rounds 6
-    .venv/bin/python bench/layer_stack.py --quantization int4 --prompt-len 2000   # long context
+    .venv/bin/python -m bench.layer_stack --quantization int4 --rounds 6
+    .venv/bin/python -m bench.layer_stack --quantization int4 --prompt-len 2000   # long context
 """
 
 from __future__ import annotations
@@ -18,25 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.engine_throughput import cpu_model
+from sluice.engine import LLMEngine
+from sluice.engine.config import EngineConfig
+from sluice.engine.cpu_kernels.block_int8_linear import dot_path
+from sluice.engine.forward import LayerByLayer, NativeStack
+from sluice.engine.memory import weight_bytes
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.weights import BlockInt8Embedding
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results" / "layer_stack.json"
-
-from engine_throughput import cpu_model  # noqa: E402
-
-from sluice.engine import LLMEngine  # noqa: E402
-from sluice.engine.config import EngineConfig  # noqa: E402
-from sluice.engine.cpu_kernels.block_int8_linear import dot_path  # noqa: E402
-from sluice.engine.forward import LayerByLayer, NativeStack  # noqa: E402
-from sluice.engine.memory import weight_bytes  # noqa: E402
-from sluice.engine.sampling_params import SamplingParams  # noqa: E402
-from sluice.engine.weights import BlockInt8Embedding  # noqa: E402
 
 MODES = ("one call", "layer by layer")
 
@@ -79,7 +76,11 @@ def memory_read_gb_s(repeats: int = 8) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.layer_stack",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--quantization", choices=["int8", "int4"], default="int4")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

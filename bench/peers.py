@@ -1,10 +1,10 @@
 """sluice against llama.cpp on this CPU, at the same weights, in one run.
 
     .venv/bin/pip install -e '.[peers]'      # llama-cpp-python, compiled here from source (~7 min)
-    .venv/bin/python bench/peers.py            # 64 requests x 128 tokens; a single request
-    .venv/bin/python bench/peers.py --quick    # a smaller version, a few minutes
-    .venv/bin/python bench/peers.py --rounds 3 # every configuration 3 times in turn: medians
-    .venv/bin/python bench/peers.py --table-from bench/results/peers.json
+    .venv/bin/python -m bench.peers            # 64 requests x 128 tokens; a single request
+    .venv/bin/python -m bench.peers --quick    # a smaller version, a few minutes
+    .venv/bin/python -m bench.peers --rounds 3 # every configuration 3 times in turn: medians
+    .venv/bin/python -m bench.peers --table-from bench/results/peers.json
 
 llama.cpp's default build (-march=native) suits most CPUs. On a CPU with AMX, its AMX path died
 with SIGSEGV repacking this model's Q8_0 and Q4_1 tensors (llama-cpp-python 0.3.36, an Intel Xeon
@@ -60,9 +60,8 @@ import sys
 import time
 from pathlib import Path
 
-import engine_throughput as et
-from cpu_meter import Timed
-
+from bench import engine_throughput as et
+from bench.cpu_meter import Timed
 from sluice.engine import cpu_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +293,9 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="a smaller workload (a few minutes)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -359,7 +360,7 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         "command": " ".join(
-            [os.path.relpath(sys.executable, ROOT), "bench/peers.py", *sys.argv[1:]]
+            [os.path.relpath(sys.executable, ROOT), "-m", "bench.peers", *sys.argv[1:]]
         ),
         "machine": {
             "cpu": et.cpu_model(),
@@ -397,7 +398,7 @@ def run_round(a, w: dict, files: dict[str, Path], kv_mib: int) -> dict[str, dict
     for fmt in a.formats.split(","):
         et.log(f"llama.cpp {fmt}: load + run")
         extra = ["--model", str(files[fmt]), "--n-batch", str(a.n_batch)]
-        r = spawn_or_failure("llama", a, w, extra, script=__file__)
+        r = spawn_or_failure("llama", a, w, extra, module="bench.peers")
         r.update(engine="llama.cpp", config=fmt, weights=fmt)
         runs[f"llama.cpp {fmt}"] = r
 

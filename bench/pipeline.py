@@ -1,11 +1,11 @@
 """The pipeline through Kafka against the engine in-process, on the same workload, in one run.
 
-    .venv/bin/python bench/pipeline.py            # 64 requests, prompts of 32..512 tokens, 128 out
-    .venv/bin/python bench/pipeline.py --quick    # 16 requests, 32..128 tokens, 32 out
-    .venv/bin/python bench/pipeline.py --delivery both   # the kafka phase once per delivery mode
-    .venv/bin/python bench/pipeline.py --quantization int4   # int4 weights, as stored, both sides
-    .venv/bin/python bench/pipeline.py --repeats 5   # engine, kafka, engine, ...: median ratio
-    .venv/bin/python bench/pipeline.py --engine-cpus 0   # the engine on CPU 0, the rest elsewhere
+    .venv/bin/python -m bench.pipeline            # 64 requests, prompts of 32..512 tokens, 128 out
+    .venv/bin/python -m bench.pipeline --quick    # 16 requests, 32..128 tokens, 32 out
+    .venv/bin/python -m bench.pipeline --delivery both   # the kafka phase once per delivery mode
+    .venv/bin/python -m bench.pipeline --quantization int4   # int4 weights, as stored, both sides
+    .venv/bin/python -m bench.pipeline --repeats 5   # engine, kafka, engine, ...: median ratio
+    .venv/bin/python -m bench.pipeline --engine-cpus 0   # the engine on CPU 0, the rest elsewhere
 
 Phases, one after the other on this machine:
   engine   LLMEngine in this process: all requests added at once, stepped until done; TTFT and
@@ -44,9 +44,8 @@ import time
 import uuid
 from pathlib import Path
 
-from cpu_meter import Timed
-from pipeline_plot import plot_pipeline
-
+from bench.cpu_meter import Timed
+from bench.pipeline_plot import plot_pipeline
 from sluice.cli.generate import cpu_list_arg
 from sluice.connectors.topics import delete_topics_with_prefix
 from sluice.engine.cpus import allowed_cpus, bind_this_thread
@@ -275,7 +274,9 @@ async def run_kafka(args, prompts: list[str], alone_prompts: list[str], delivery
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.pipeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--quick", action="store_true", help="16 requests, 32..128 prompt tokens, 32 out"

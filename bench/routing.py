@@ -1,8 +1,8 @@
 """Routing among two runners: KV-aware against round-robin and session-only, on a shared-prefix
 workload, in one run on the broker of `sluice stack up`.
 
-    .venv/bin/python bench/routing.py            # 8 prefixes of ~500 tokens x 12 rounds
-    .venv/bin/python bench/routing.py --quick    # 4 prefixes x 4 rounds
+    .venv/bin/python -m bench.routing            # 8 prefixes of ~500 tokens x 12 rounds
+    .venv/bin/python -m bench.routing --quick    # 4 prefixes x 4 rounds
 
 For each routing policy in turn, a fresh deployment under a topic prefix of its own: a tokenizer,
 a scheduler, a streamer and two runners (one thread each, so that the two share the machine's
@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-from cluster import ROOT, Client, Cluster, cpu_model, log, metrics, percentile, total
+from bench.cluster import ROOT, Client, Cluster, cpu_model, log, metrics, percentile, total
 
 RESULTS = ROOT / "bench" / "results" / "routing.json"
 POLICIES = ("kv", "round-robin", "session")
@@ -146,7 +146,9 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.routing",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--bootstrap-servers",

@@ -1,7 +1,7 @@
 """Quantized weights widened to bfloat16 for large steps, against always as stored, in one run.
 
-    .venv/bin/python bench/widen.py                 # int8 and int4, bfloat16 activations, 2 rounds
-    .venv/bin/python bench/widen.py --quick --rounds 1
+    .venv/bin/python -m bench.widen                 # int8 and int4, bfloat16 activations, 2 rounds
+    .venv/bin/python -m bench.widen --quick --rounds 1
 
 The engine benchmark's workload (64 requests of 32..512 prompt tokens, 128 tokens out, greedy, all
 submitted at once; bench/engine_throughput.py's sluice phase, each run in its own process) with
@@ -18,20 +18,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-RESULTS = ROOT / "bench" / "results" / "widen.json"
+from bench import engine_throughput as et
 
-import engine_throughput as et  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "widen.json"
 
 MODES = {"widened where faster": None, "always as stored": "never"}  # -> SLUICE_WIDEN_ROWS
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.widen",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--quantizations", default="int8,int4")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="16 requests of 32..128 tokens, 32 out")

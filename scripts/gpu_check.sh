@@ -24,7 +24,7 @@ EOF
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "no CUDA device: nothing to check"; exit 2; }
 
 # bench/gpu.py keeps to --budget-s and ends itself --grace-s after it, writing what it measured
-timeout 240 "$py" bench/gpu.py --budget-s 180 --grace-s 30 --json "$out/gpu.json" 2>&1 \
+timeout 240 "$py" -m bench.gpu --budget-s 180 --grace-s 30 --json "$out/gpu.json" 2>&1 \
     | tee "$out/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 

@@ -12,8 +12,8 @@ import sluice
 
 ROOT = Path(sluice.__file__).parent
 
-# Which sluice packages each may import (besides itself); cli, testing and the entry point may
-# import them all.
+# Which sluice packages each may import (besides itself); cli, testing (the harnesses tests and
+# benchmarks share) and the entry point may import them all.
 ALLOWED = {
     "schemas": set(),
     "engine": set(),
@@ -67,6 +67,17 @@ def test_each_package_imports_only_the_packages_below_it():
             other = imported.split(".")[1] if imported.count(".") else None
             if other is not None and other != own and other not in ALLOWED[own]:
                 wrong.append(f"{name}:{line} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_tests_and_benchmarks_import_sluice_testing():
+    wrong = [
+        f"{name}:{line} imports {imported}"
+        for name in MODULES
+        if not name.startswith("sluice.testing")
+        for imported, line in _imports(name)
+        if imported == "sluice.testing" or imported.startswith("sluice.testing.")
+    ]
     assert not wrong, "\n".join(wrong)
 
 

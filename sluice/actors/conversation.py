@@ -42,6 +42,7 @@ def build_prompt(
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return Prompt(tokenizer.encode(text, add_special_tokens=False), messages, 0)
     # A plain-text session continues the text: earlier ids, then the new prompt's tokens.
+    assert request.prompt is not None  # the schema requires exactly one of prompt, messages
     if history_ids:
         return Prompt(
             history_ids + tokenizer.encode(request.prompt, add_special_tokens=False),

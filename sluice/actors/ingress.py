@@ -19,7 +19,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from pydantic import BaseModel, ValidationError
 
 from sluice.actors.answered import AnsweredInputs
-from sluice.actors.messages import Envelope
+from sluice.actors.messages import Envelope, Work
 from sluice.actors.metrics import Metrics
 from sluice.actors.reply_topics import ReplyTopics
 from sluice.actors.transport import Sink
@@ -56,7 +56,7 @@ class Ingress:
         *,
         tokens_topic: str,
         dlq_topic: str,
-        decode: Callable[[bytes], BaseModel] = decode_request,
+        decode: Callable[[bytes], Work] = decode_request,
         metrics: Metrics | None = None,
         on_committed: Callable[[list[tuple[str, TopicPartition]]], Awaitable[None]] | None = None,
         reply_topics: ReplyTopics | None = None,

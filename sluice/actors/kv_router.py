@@ -155,9 +155,9 @@ class KvRouter:
         cached = {v.runner_id: self._cached(v, prompt) for v in live}
         if work.request.session_id is not None:
             earlier = self._sessions.get(key)
-            view = next((v for v in live if v.runner_id == earlier), None)
-            if view is not None and view.pending <= bound:
-                return self._chose(view, prompt, key, cached[view.runner_id], "session")
+            sticky = next((v for v in live if v.runner_id == earlier), None)
+            if sticky is not None and sticky.pending <= bound:
+                return self._chose(sticky, prompt, key, cached[sticky.runner_id], "session")
         best = max(live, key=lambda v: (cached[v.runner_id], -v.pending))
         if cached[best.runner_id] == 0 or best.pending > bound:
             return self._chose(least, prompt, key, cached[least.runner_id], "least loaded")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from aiokafka.structs import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
@@ -103,11 +104,19 @@ class StepMessage(_Internal):
     session_start: tuple[int, int] | None = None  # (messages, token ids) before this turn
 
 
-@dataclass
-class Envelope:
-    """A message and the acknowledgement owed once its output is written."""
+# What an envelope carries: a client's request (to the tokenizer), a tokenized one (to the
+# scheduler and a runner), a step's output (to the streamer).
+Work = TokenizedRequest | StepMessage | GenerateRequest
+Body = TypeVar("Body", bound=Work)
+Derived = TypeVar("Derived", bound=Work)
 
-    body: TokenizedRequest | StepMessage | GenerateRequest
+
+@dataclass
+class Envelope(Generic[Body]):
+    """A message and the acknowledgement owed once its output is written. Typed by its body
+    (`Envelope[StepMessage]`): each actor knows which kind of work it is sent."""
+
+    body: Body
     ack: Ack = field(default=no_ack)
     received_at: float = 0.0
     published_at: float | None = None  # the input record's timestamp (when the client sent it)
@@ -119,9 +128,7 @@ class Envelope:
     # progress records, so that both commit in the same transaction): (topic, key, value).
     writes: list[tuple[str, str, bytes | None]] = field(default_factory=list)
 
-    def derive(
-        self, body: TokenizedRequest | StepMessage | GenerateRequest, ack: Ack | None = None
-    ) -> Envelope:
+    def derive(self, body: Derived, ack: Ack | None = None) -> Envelope[Derived]:
         """An envelope for work that follows from this one (same origin and arrival time)."""
         return Envelope(
             body,

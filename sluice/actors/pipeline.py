@@ -21,6 +21,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from sluice.actors.answered import AnsweredInputs
 from sluice.actors.failover import RunnerFailover
@@ -56,6 +57,9 @@ from sluice.connectors.topic_tail import TopicTail
 from sluice.connectors.topics import ensure_topics
 from sluice.connectors.transactions import PartitionTransactions
 from sluice.engine import EngineConfig
+
+if TYPE_CHECKING:
+    from sluice.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +174,7 @@ class Pipeline:
         self.consumer: RequestConsumer | None = None
         self.sessions: SessionStore | None = None
         self.ingress: Ingress | None = None
-        self.engine = None
+        self.engine: LLMEngine | None = None
         self.progress: ProgressLog | None = None
         self.answered: AnsweredInputs | None = None
         self.reply_topics: ReplyTopics | None = None
@@ -376,26 +380,30 @@ class Pipeline:
         if isinstance(self.output, PartitionTransactions):
             await self.output.revoke(tps, {})
 
-    async def _engine(self):
+    async def _engine(self) -> LLMEngine:
         from sluice.engine import LLMEngine
         from sluice.engine.cpus import bind_this_thread
         from sluice.engine.faults import fault_hook_from_env
 
         # Loading takes seconds: keep the loop free meanwhile (in a thread that then ends: see
         # in_passing_thread for why not asyncio.to_thread).
-        self.engine = await in_passing_thread(LLMEngine, self.config.model, self.config.engine)
-        self.engine.fault_hook = fault_hook_from_env(self.engine.tokenizer)  # tests only
-        if self.engine.other_cpus:
+        self.engine = engine = await in_passing_thread(
+            LLMEngine, self.config.model, self.config.engine
+        )
+        engine.fault_hook = fault_hook_from_env(engine.tokenizer)  # tests only
+        if engine.other_cpus:
             # The engine has CPUs of its own: this loop (and the threads it starts) keeps off them
-            bind_this_thread(self.engine.other_cpus)
-        return self.engine
+            bind_this_thread(engine.other_cpus)
+        return engine
 
     def _sink(self, topic: str, key) -> KafkaSink:
+        assert self.producer is not None  # start() made it before building the actors
         sink = KafkaSink(self.producer, topic, key)
         self._sinks.append(sink)
         return sink
 
     def _streamer(self) -> StreamerActor:
+        assert self.output is not None  # start() made it before building the actors
         return StreamerActor(
             self.output,
             self.config.topics.tokens,
@@ -621,6 +629,7 @@ class Pipeline:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         await self.start()
+        assert self.ingress is not None  # start() made it
         ingress = asyncio.ensure_future(self.ingress.run())
         stop = asyncio.ensure_future(self._stop.wait())
         failed = asyncio.ensure_future(self.system.wait())

@@ -186,7 +186,7 @@ class RunnerActor(Actor):
             len(self._readmit),
         )
 
-    async def handle(self, envelope: Envelope) -> None:
+    async def handle(self, envelope: Envelope[TokenizedRequest]) -> None:
         work: TokenizedRequest = envelope.body
         request_id = work.request.request_id
         if request_id in self._tracked:
@@ -226,8 +226,8 @@ class RunnerActor(Actor):
             return
         request = work.request
         kv = None
-        if work.handoff is not None and work.handoff.kv_file and self.kv_files is not None:
-            handoff = work.handoff
+        handoff = work.handoff
+        if handoff is not None and handoff.kv_file and self.kv_files is not None:
             kv = await asyncio.to_thread(self.kv_files.take, handoff.kv_file, handoff.kv_source)
         tracked = _Tracked(work, envelope.ack, time.time(), origin=envelope.origin)
         if not request.stream and request.logprobs is not None:
@@ -273,6 +273,7 @@ class RunnerActor(Actor):
         )
         admission = Admission(work, record.seed, resume, prefill_only=tracked.passing_on, kv=kv)
         if self.progress is None:
+            assert self._worker is not None  # made in on_start, before any message is handled
             self._worker.submit(admission)
         elif record.crashes >= self.max_crashes:
             await self._dead_letter(tracked)
@@ -383,6 +384,7 @@ class RunnerActor(Actor):
             await self.send_steps(Envelope(message, no_ack, origin=origin))
 
     async def _pump(self) -> None:
+        assert self._worker is not None  # on_start made it before spawning this
         async for result in self._worker:
             messages = self._messages(result)
             writes: list[list] = [[] for _ in messages]
@@ -438,7 +440,7 @@ class RunnerActor(Actor):
         """A request this runner had passed on, delivered again (this runner restarted before its
         input was committed): passed on again, to the same decode runner while it lives, rather
         than served twice. False when no decode runner is alive (it is then served here)."""
-        assert self.progress is not None
+        assert self.handoff is not None and self.progress is not None
         choice = self.handoff.target(work, routing_key(work), prefer=record.handed_to)
         if choice is None:
             return False
@@ -512,6 +514,7 @@ class RunnerActor(Actor):
         return writes
 
     def _observe(self) -> None:
+        assert self.metrics is not None  # called only when there are metrics
         stats = self.engine.stats()  # plain reads of counters; a slightly stale value is fine
         self.metrics.kv_cache_usage.labels(self.runner_id).set(stats["kv_cache_usage"])
         self.metrics.prefix_hit_rate.labels(self.runner_id).set(stats["prefix_cache_hit_rate"])

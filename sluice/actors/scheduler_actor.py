@@ -63,7 +63,7 @@ class SchedulerActor(Actor):
         self.work_topic = work_topic
         self.metrics = metrics
 
-    async def handle(self, envelope: Envelope) -> None:
+    async def handle(self, envelope: Envelope[TokenizedRequest]) -> None:
         work: TokenizedRequest = envelope.body
         if work.request.deadline is not None and work.request.deadline < time.time():
             await self.send_error(

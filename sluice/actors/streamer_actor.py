@@ -56,7 +56,7 @@ class StreamerActor(Actor):
         self._finishing: set[asyncio.Task] = set()
         self._token_deliveries: dict[str, list[asyncio.Future]] = {}  # request id -> unawaited
 
-    async def handle(self, envelope: Envelope) -> None:
+    async def handle(self, envelope: Envelope[StepMessage]) -> None:
         try:
             await self._publish(envelope)
         except NotOwned:
@@ -64,12 +64,13 @@ class StreamerActor(Actor):
             # produces here is no longer part of any transaction; its new owner resumes it.
             log.info("dropping a message of %s: its partition moved away", envelope.body.request_id)
 
-    async def _publish(self, envelope: Envelope) -> None:
+    async def _publish(self, envelope: Envelope[StepMessage]) -> None:
         message: StepMessage = envelope.body
         if message.published:
             self._track(self._finish_request(None, envelope))
             return
         topic = message.reply_topic or self.tokens_topic
+        event: ErrorEvent | TokenEvent | FinalEvent
         if message.error is not None:
             event = message.error.model_copy(update={"seq": message.seq})
             value = self._encode(message, event)
@@ -159,13 +160,15 @@ class StreamerActor(Actor):
             return None
         return message.choice_logprobs.get(index, [])
 
-    def _after_token(self, envelope: Envelope, delivery: asyncio.Future) -> None:
+    def _after_token(self, envelope: Envelope[StepMessage], delivery: asyncio.Future) -> None:
         if envelope.ack is not no_ack:  # one record per token message when roles run apart
             self._track(self._ack_after(delivery, envelope))
         else:
             self._token_deliveries.setdefault(envelope.body.request_id, []).append(delivery)
 
-    async def _send(self, envelope: Envelope, topic: str, value: bytes | None) -> asyncio.Future:
+    async def _send(
+        self, envelope: Envelope[StepMessage], topic: str, value: bytes | None
+    ) -> asyncio.Future:
         """The message's event (None: no event), with the records that must be written in one
         piece with it."""
         key = envelope.body.request_id
@@ -190,7 +193,7 @@ class StreamerActor(Actor):
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
-    async def _ack_after(self, delivery, envelope: Envelope) -> None:
+    async def _ack_after(self, delivery, envelope: Envelope[StepMessage]) -> None:
         try:
             await delivery
         except Exception:
@@ -201,7 +204,9 @@ class StreamerActor(Actor):
             return
         envelope.ack()
 
-    async def _finish_request(self, delivery: asyncio.Future | None, envelope: Envelope) -> None:
+    async def _finish_request(
+        self, delivery: asyncio.Future | None, envelope: Envelope[StepMessage]
+    ) -> None:
         """Once every event of the request is durable (`delivery`: its final's; None when it
         was published before): its session turn, then its acknowledgement."""
         message: StepMessage = envelope.body

@@ -53,9 +53,9 @@ class TokenizerActor(Actor):
         self.reply_topics = reply_topics
         self.turn_wait_s = turn_wait_s
         # Turns waiting for their session's previous turn, per (tenant, session), in order.
-        self._waiting: dict[tuple[str | None, str], deque[Envelope]] = {}
+        self._waiting: dict[tuple[str | None, str], deque[Envelope[GenerateRequest]]] = {}
 
-    async def handle(self, envelope: Envelope) -> None:
+    async def handle(self, envelope: Envelope[GenerateRequest]) -> None:
         request: GenerateRequest = envelope.body
         if request.deadline is not None and request.deadline < time.time():
             await self._reject(
@@ -124,7 +124,7 @@ class TokenizerActor(Actor):
                 await self.on_failure(envelope, exc)
         del self._waiting[turn]
 
-    async def _tokenize(self, envelope: Envelope) -> None:
+    async def _tokenize(self, envelope: Envelope[GenerateRequest]) -> None:
         request: GenerateRequest = envelope.body
         history_messages, history_ids = None, None
         if request.session_id is not None and self.sessions is not None:
@@ -158,7 +158,9 @@ class TokenizerActor(Actor):
         )
         await self.send_work(envelope.derive(work))
 
-    async def _reject(self, envelope: Envelope, code: str, message: str, field: str | None) -> None:
+    async def _reject(
+        self, envelope: Envelope[GenerateRequest], code: str, message: str, field: str | None
+    ) -> None:
         request: GenerateRequest = envelope.body
         if request.session_id is not None and self.sessions is not None:
             await self.sessions.end_turn(request.tenant, request.session_id, request.request_id)

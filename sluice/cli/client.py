@@ -167,8 +167,12 @@ def request_key(request: GenerateRequest) -> str:
 
 def label_of(request: GenerateRequest, width: int = 60) -> str:
     """A one-line reminder of what was asked, for headers and tables."""
-    text = request.prompt if request.prompt is not None else request.messages[-1].content
-    text = " ".join(str(text).split())
+    if request.prompt is not None:
+        text = request.prompt
+    else:
+        assert request.messages is not None  # the schema requires prompt or messages
+        text = str(request.messages[-1].content)
+    text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -338,17 +342,16 @@ class EventStream:
                 if (
                     event.seq is not None
                     and event.request_id is not None
-                    and not self._first(event)
+                    and not self._first(event.request_id, event.seq)
                 ):
                     continue
                 out.append(received)
         return out
 
-    def _first(self, event: TokenEvent | FinalEvent | ErrorEvent) -> bool:
+    def _first(self, rid: str, seq: int) -> bool:
         """Whether this (request_id, seq) is new. A request's events arrive in seq order (one key,
         one partition), and a replay starts again from 0, so the next expected seq per request is
         all there is to remember; the oldest requests are forgotten beyond MAX_TRACKED."""
-        rid, seq = event.request_id, event.seq
         expected = self._next_seq.get(rid, 0)
         if seq < expected:
             return False  # sent again after a crash or rebalance
@@ -462,12 +465,13 @@ class Grouped(Renderer):
         rid = received.event.request_id
         if rid not in self.buffers:
             return
-        if received.terminal:
+        event = received.event
+        if not isinstance(event, TokenEvent):  # terminal: a final or an error event
             self.ended[rid] = received
-            if isinstance(received.event, FinalEvent):
-                self.finals[rid] = received.event
-        elif received.event.index == 0:  # with n > 1 the final event lists every completion
-            self.buffers[rid].append(received.event.text)
+            if isinstance(event, FinalEvent):
+                self.finals[rid] = event
+        elif event.index == 0:  # with n > 1 the final event lists every completion
+            self.buffers[rid].append(event.text)
         if self.current < len(self.order) and self.order[self.current] == rid:
             self._show(self.current, header=False)
 
@@ -496,6 +500,7 @@ class Grouped(Renderer):
                 self._write(f"[{final_summary(event)}]\n")
                 self.out.flush()
             else:
+                assert isinstance(event, ErrorEvent)  # `ended` holds terminal events only
                 self._write(f"[error: {event.code}]\n")
                 self.out.flush()
                 self._error(event)

@@ -21,6 +21,7 @@ from sluice.cli.client import (
     Grouped,
     JsonLines,
     Prefixed,
+    Renderer,
     Topics,
     add_kafka_arguments,
     bootstrap_from_args,
@@ -91,6 +92,7 @@ async def tail(args: argparse.Namespace) -> int:
             await stream.seek("beginning")
         else:
             await stream.seek("end")
+        render: Renderer
         if args.json:
             render = JsonLines()
         elif ids:

@@ -426,6 +426,7 @@ class RequestConsumer:
 
     def _update_flow(self) -> None:
         if self.max_in_flight is not None:
+            assert self.low_water is not None  # __init__ sets it along with max_in_flight
             n = self.in_flight
             if not self._auto_pause and n >= self.max_in_flight:
                 self._auto_pause = True
@@ -500,6 +501,7 @@ class RequestConsumer:
         # Start each partition at its committed offset, explicitly: records the fetcher returned
         # before this callback ran were dropped (no state yet), and must be read again. Paused
         # meanwhile (a new assignment starts unpaused in aiokafka); _update_flow decides below.
+        assert self._consumer is not None  # only the started consumer's listener calls this
         if assigned:
             self._consumer.pause(*assigned)
         self._applied_pause = True
@@ -532,6 +534,7 @@ class RequestConsumer:
 
     async def _start_position(self, tp: TopicPartition) -> int | None:
         """Seek `tp` to where this member should read it from; return that offset."""
+        assert self._consumer is not None  # called from _on_assigned
         try:
             committed = await self._consumer.committed(tp)
             if committed is not None:
@@ -556,6 +559,7 @@ class RequestConsumer:
         """Make the consumer read `state`'s partition again from the first offset not handed out
         (or from the `dropped` record's offset, when the assignment's start is unknown)."""
         if not self._stopping:
+            assert self._consumer is not None  # records come only from the started consumer
             expected = state.expected
             self._consumer.seek(state.tp, dropped if expected is None else expected)
 

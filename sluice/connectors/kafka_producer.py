@@ -101,14 +101,15 @@ class EventProducer:
         self,
         topic: str,
         key: bytes | str | None,
-        value: bytes,
+        value: bytes | None,
         headers: Headers | None = None,
         partition: int | None = None,
         *,
         origin: Any = None,
     ) -> asyncio.Future[RecordMetadata]:
-        """Queue one record; the returned future resolves to its metadata once written. (`origin`,
-        the input partition the record follows from, matters only to a transactional output.)"""
+        """Queue one record (value None: a tombstone); the returned future resolves to its
+        metadata once written. (`origin`, the input partition the record follows from, matters
+        only to a transactional output.)"""
         if self._producer is None:
             raise RuntimeError("EventProducer.start() was not called")
         return await self._producer.send(

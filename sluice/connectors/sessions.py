@@ -328,7 +328,7 @@ class SessionStore:
         return bool(await self._call(what, op, default, wait=True))
 
     def _parse(
-        self, raw: bytes | None, tenant: str | None, session_id: str
+        self, raw: bytes | str | None, tenant: str | None, session_id: str
     ) -> SessionRecord | None:
         if raw is None:
             return None

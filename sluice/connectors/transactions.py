@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -132,7 +132,9 @@ class PartitionTransactions:
             )
 
     async def send_together(
-        self, origin: TopicPartition | None, records: list[tuple[str, str | bytes | None, Any]]
+        self,
+        origin: TopicPartition | None,
+        records: Sequence[tuple[str, str | bytes | None, bytes | None]],
     ) -> list[asyncio.Future[RecordMetadata]]:
         """Queue (topic, key, value) records in one piece of `origin`'s open transaction: no
         commit falls between them, so they become visible together."""

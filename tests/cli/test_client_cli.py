@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +19,7 @@ from aiokafka import TopicPartition
 from sluice.cli.client import EventStream, Grouped, Prefixed
 from sluice.cli.produce import requests_from_args
 from sluice.schemas import FinalEvent, Timings, TokenEvent, Usage, encode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from pipeline_harness import PipelineProcess, new_prefix, publish  # noqa: E402
+from sluice.testing.pipeline_harness import PipelineProcess, new_prefix, publish
 
 integration = pytest.mark.integration
 GREEDY = ["--temperature", "0"]

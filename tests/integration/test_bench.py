@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from pipeline_harness import PipelineProcess, free_port, new_prefix, scrape, value
+
+from sluice.testing.pipeline_harness import PipelineProcess, free_port, new_prefix, scrape, value
 
 pytestmark = pytest.mark.integration
 

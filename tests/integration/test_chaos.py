@@ -16,7 +16,12 @@ import json
 
 import pytest
 import redis.asyncio as aioredis
-from pipeline_harness import (
+from test_crash_resume import assert_exactly_once, assert_one_consistent_stream
+
+from sluice.connectors.kafka_broker import LocalKafka
+from sluice.connectors.redis_server import LocalRedis
+from sluice.connectors.sessions import SessionRecord, session_key
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Streams,
     Watcher,
@@ -27,11 +32,6 @@ from pipeline_harness import (
     request,
     sigkill,
 )
-from test_crash_resume import assert_exactly_once, assert_one_consistent_stream
-
-from sluice.connectors.kafka_broker import LocalKafka
-from sluice.connectors.redis_server import LocalRedis
-from sluice.connectors.sessions import SessionRecord, session_key
 
 pytestmark = pytest.mark.integration
 

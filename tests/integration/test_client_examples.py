@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from pipeline_harness import PipelineProcess, new_prefix
 
 from sluice.engine.cpu_kernels import cache_root
+from sluice.testing.pipeline_harness import PipelineProcess, new_prefix
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@ generation, greedy, seeded and unseeded sampled requests alike, in both delivery
 was published stays what the request goes on with: no (request_id, seq) ever carries two different
 contents, the tokens in seq order are the final event's text, and every request gets one final.
 With exactly-once delivery a read_committed consumer sees every (request_id, seq) exactly once,
-with no gaps. Driven by a plain aiokafka client (pipeline_harness.py)."""
+with no gaps. Driven by a plain aiokafka client (sluice.testing.pipeline_harness)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import asyncio
 import time
 
 import pytest
-from pipeline_harness import (
+
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Streams,
     Watcher,

@@ -11,7 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from pipeline_harness import (
+
+from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Streams,
     Watcher,
@@ -19,8 +21,6 @@ from pipeline_harness import (
     publish,
     request,
 )
-
-from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.integration
 

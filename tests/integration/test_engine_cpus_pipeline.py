@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline_harness import PipelineProcess, Watcher, new_prefix, publish, request
+from sluice.testing.pipeline_harness import PipelineProcess, Watcher, new_prefix, publish, request
 
 
 def cpus_of(pid: int, tid: int) -> set[int]:

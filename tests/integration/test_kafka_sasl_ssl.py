@@ -16,11 +16,11 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from pipeline_harness import PipelineProcess, free_port, new_prefix
 
 from sluice.connectors.kafka_broker import LocalKafka
 from sluice.connectors.kafka_sasl_ssl import CLIENT_USER, SaslSslListener
 from sluice.connectors.settings import StackSettings
+from sluice.testing.pipeline_harness import PipelineProcess, free_port, new_prefix
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ import random
 import time
 
 import pytest
-from pipeline_harness import (
+
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Watcher,
     free_port,

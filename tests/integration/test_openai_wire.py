@@ -18,8 +18,9 @@ import pytest
 from jsonschema import Draft202012Validator
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from openai_bodies import sent_by_client
-from pipeline_harness import PipelineProcess, collect, new_prefix, publish
+
+from sluice.testing.openai_bodies import sent_by_client
+from sluice.testing.pipeline_harness import PipelineProcess, collect, new_prefix, publish
 
 pytestmark = pytest.mark.integration
 

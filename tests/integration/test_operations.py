@@ -12,7 +12,9 @@ import urllib.error
 import urllib.request
 
 import pytest
-from pipeline_harness import (
+
+from sluice.connectors.topics import ensure_topics
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     collect,
     free_port,
@@ -22,8 +24,6 @@ from pipeline_harness import (
     scrape,
     value,
 )
-
-from sluice.connectors.topics import ensure_topics
 
 pytestmark = pytest.mark.integration
 

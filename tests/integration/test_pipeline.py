@@ -9,7 +9,9 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from pipeline_harness import (
+
+from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     collect,
     committed_everything,
@@ -18,8 +20,6 @@ from pipeline_harness import (
     publish,
     request,
 )
-
-from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.integration
 

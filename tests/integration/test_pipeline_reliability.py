@@ -1,6 +1,7 @@
 """The pipeline's delivery guarantees on the real broker and Redis: roles in separate processes with
 two runners, a SIGKILL in the middle of generation, backpressure under a small KV budget, Redis
-down, and the Prometheus metrics. Driven by a plain aiokafka client (pipeline_harness.py)."""
+down, and the Prometheus metrics. Driven by a plain aiokafka client
+(sluice.testing.pipeline_harness)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from pipeline_harness import (
+
+from sluice.connectors.sessions import session_key
+from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Streams,
     Watcher,
@@ -24,9 +28,6 @@ from pipeline_harness import (
     scrape,
     value,
 )
-
-from sluice.connectors.sessions import session_key
-from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.integration
 

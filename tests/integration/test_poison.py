@@ -11,7 +11,8 @@ import json
 import time
 
 import pytest
-from pipeline_harness import PipelineProcess, Streams, Watcher, new_prefix, publish
+
+from sluice.testing.pipeline_harness import PipelineProcess, Streams, Watcher, new_prefix, publish
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,9 @@ import random
 import time
 
 import pytest
-from pipeline_harness import (
+
+from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Watcher,
     free_port,
@@ -23,8 +25,6 @@ from pipeline_harness import (
     scrape,
     value,
 )
-
-from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
 pytestmark = pytest.mark.integration
 

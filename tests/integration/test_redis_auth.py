@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from pipeline_harness import free_port, new_prefix
 
 from sluice.connectors.redis_server import LocalRedis
 from sluice.connectors.sessions import RedisRefused, SessionStore
 from sluice.connectors.settings import StackSettings
+from sluice.testing.pipeline_harness import free_port, new_prefix
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 from aiokafka import AIOKafkaConsumer
-from pipeline_harness import PipelineProcess, new_prefix, publish
 
 from sluice.connectors.topics import ensure_topics
+from sluice.testing.pipeline_harness import PipelineProcess, new_prefix, publish
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,9 @@ import asyncio
 import time
 
 import pytest
-from pipeline_harness import (
+from test_crash_resume import assert_one_consistent_stream
+
+from sluice.testing.pipeline_harness import (
     PipelineProcess,
     Watcher,
     free_port,
@@ -20,7 +22,6 @@ from pipeline_harness import (
     scrape,
     value,
 )
-from test_crash_resume import assert_one_consistent_stream
 
 pytestmark = pytest.mark.integration
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pipeline_harness import PipelineProcess, collect, new_prefix, publish, request
 
 from sluice.connectors.sessions import SessionStore
 from sluice.connectors.topics import ensure_topics
+from sluice.testing.pipeline_harness import PipelineProcess, collect, new_prefix, publish, request
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_harness import PipelineProcess, Watcher, new_prefix, publish
-from pipeline_harness import request as message
 
 from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 from sluice.engine.loader import load_model
+from sluice.testing.pipeline_harness import PipelineProcess, Watcher, new_prefix, publish
+from sluice.testing.pipeline_harness import request as message
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -4,8 +4,6 @@ requests with every field mapped, and what sluice does not serve is refused by n
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +14,7 @@ from sluice.schemas.openai_request import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from openai_bodies import sent_by_client  # noqa: E402
+from sluice.testing.openai_bodies import sent_by_client
 
 
 def decoded(body: dict[str, Any]) -> GenerateRequest:

@@ -13,10 +13,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
-RESTART = "restart"
-ESCALATE = "escalate"
+# Final: their types are the literals, so they fit `RestartPolicy.kind`.
+RESTART: Final = "restart"
+ESCALATE: Final = "escalate"
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,7 @@ class ThreadedWorker(Generic[In, Out]):
         self._accept(item)
 
     def _take_inbox(self) -> list[In]:
-        items = []
+        items: list[In] = []
         while True:
             try:
                 item = self._inbox.get_nowait()

@@ -41,23 +41,24 @@
 #else
 #define HAVE_VNNI 0
 #endif
-#if !HAVE_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SLUICE_NO_AVX2)
+#if !HAVE_VNNI && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) &&                    \
+    !defined(SLUICE_NO_AVX2)
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #else
 #define HAVE_AVX2 0
 #endif
 
-#define KB 32                              /* k of a block */
-#define NC 16                              /* columns of a panel */
-#define BLOCK_BYTES (KB * NC + NC * 2)     /* codes, then float16 scales */
+#define KB 32                                 /* k of a block */
+#define NC 16                                 /* columns of a panel */
+#define BLOCK_BYTES (KB * NC + NC * 2)        /* codes, then float16 scales */
 #define Q4_BLOCK_BYTES (KB * NC / 2 + NC * 4) /* codes in nibbles, then float16 d and m */
 #define FMT_Q8 0
 #define FMT_Q4 1
-#define MR 4                               /* rows of a tile */
-#define NP 2                               /* panels of a tile */
+#define MR 4 /* rows of a tile */
+#define NP 2 /* panels of a tile */
 #define BLOCK_M (MR * 16)
-#define TINY_BLOCK 1e-30f                  /* activation blocks below this amax are zeros */
+#define TINY_BLOCK 1e-30f /* activation blocks below this amax are zeros */
 
 static inline int64_t blocks_of(int64_t k) { return (k + KB - 1) / KB; }
 static inline int64_t panels_of(int64_t n) { return (n + NC - 1) / NC; }
@@ -76,8 +77,8 @@ int64_t sluice_block_int4_packed_bytes(int64_t N, int64_t K) {
 }
 
 /* codes uint8 in 0..15 [N, nb * 32] (k past K zero), d and m float16 bits [N, nb]. */
-void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N, int64_t K,
-                            uint8_t *packed) {
+void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                            int64_t K, uint8_t *packed) {
     const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
     memset(packed, 0, (size_t)(P * nb * Q4_BLOCK_BYTES));
     for (int64_t p = 0; p < P; p++)
@@ -99,7 +100,8 @@ void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint1
 }
 
 /* codes int8 [N, nb * 32] (k past K zero), scales float16 bits [N, nb]. */
-void sluice_block_int8_pack(const int8_t *codes, const uint16_t *scales, int64_t N, int64_t K, uint8_t *packed) {
+void sluice_block_int8_pack(const int8_t *codes, const uint16_t *scales, int64_t N, int64_t K,
+                            uint8_t *packed) {
     const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
     memset(packed, 128, (size_t)(P * nb * BLOCK_BYTES));
     for (int64_t p = 0; p < P; p++)
@@ -111,7 +113,8 @@ void sluice_block_int8_pack(const int8_t *codes, const uint16_t *scales, int64_t
                 sc[c] = n < N ? scales[n * nb + b] : 0;
                 if (n >= N) continue;
                 for (int t = 0; t < KB; t++)
-                    blk[(t / 4) * 64 + 4 * c + (t % 4)] = (uint8_t)(codes[n * kp + b * KB + t] + 128);
+                    blk[(t / 4) * 64 + 4 * c + (t % 4)] =
+                        (uint8_t)(codes[n * kp + b * KB + t] + 128);
             }
         }
 }
@@ -124,7 +127,8 @@ static inline float f16_to_float(uint16_t h) {
         return sign ? -v : v;
     }
     float v;
-    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    const uint32_t bits =
+        sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
     memcpy(&v, &bits, 4);
     return v;
 }
@@ -132,8 +136,8 @@ static inline float f16_to_float(uint16_t h) {
 /* Rows ids[0..T-1] of the packed [N, K] weight, dequantized (code x scale, exact in float32) into
  * out [T, K] (float32, or bfloat16 rounded once): an embedding lookup on a tied LM head's weight,
  * so the two share one int8 copy. Returns 0, or -2 for an id outside [0, N). */
-int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids, int64_t T, void *out,
-                           int bf16) {
+int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
+                           int64_t T, void *out, int bf16) {
     const int64_t nb = blocks_of(K), panel_stride = nb * BLOCK_BYTES;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -2;
@@ -177,7 +181,8 @@ static inline void block_column(const uint8_t *blk, int fmt, int c, float w[KB])
 /* The whole packed [N, K] weight dequantized into out [N, K] (float32, or bfloat16 rounded once),
  * for a step with enough rows that a float matmul on the widened copy beats this kernel (a CPU
  * with AMX at a prefill's row counts: the caller measures). */
-void sluice_block_widen(const uint8_t *packed, int64_t N, int64_t K, int fmt, void *out, int bf16, int num_threads) {
+void sluice_block_widen(const uint8_t *packed, int64_t N, int64_t K, int fmt, void *out, int bf16,
+                        int num_threads) {
     const int64_t nb = blocks_of(K), P = panels_of(N), bytes = block_bytes(fmt);
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K > 65536)
@@ -201,7 +206,8 @@ void sluice_block_widen(const uint8_t *packed, int64_t N, int64_t K, int fmt, vo
 #if HAVE_VNNI
 /* Two vectors a block: the same products, rounded the same way (VCVTPS2DQ rounds to nearest even
  * as nearbyintf does in the default mode), so the same codes as the portable loop below. */
-static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
+static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs,
+                         int32_t *xsum) {
     for (int64_t b = 0; b < nb; b++) {
         const int64_t k0 = b * KB, n = K - k0 < KB ? K - k0 : KB;
         const __mmask32 in = n == KB ? 0xffffffffu : (1u << n) - 1; /* k past K reads as 0 */
@@ -215,7 +221,8 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
                 v[h] = _mm512_maskz_loadu_ps(m, (const float *)x + k0 + 16 * h);
             }
         }
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float amax =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         const __m512 inv = _mm512_set1_ps(amax >= TINY_BLOCK ? 127.0f / amax : 0.0f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], inv));
         const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], inv));
@@ -226,7 +233,8 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
     }
 }
 #else
-static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs, int32_t *xsum) {
+static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs,
+                         int32_t *xsum) {
     for (int64_t b = 0; b < nb; b++) {
         float v[KB];
         for (int t = 0; t < KB; t++) {
@@ -251,10 +259,10 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
 
 #if HAVE_VNNI
 /* mr rows of quantized x against np panels: 16 * np columns of those rows. */
-static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
-                                                       const uint8_t *w, int64_t panel_stride, const void *bias,
-                                                       void *out, int64_t os, int ncols, const int mr, const int np,
-                                                       int bf16, const int fmt) {
+static inline __attribute__((always_inline)) void
+tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
+     int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
+     const int np, int bf16, const int fmt) {
     __m512 acc[MR][NP];
     for (int i = 0; i < mr; i++)
         for (int p = 0; p < np; p++) acc[i][p] = _mm512_setzero_ps();
@@ -292,9 +300,11 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
             }
             for (int i = 0; i < mr; i++) {
                 const float sx = xs[i * nb + b];
-                const __m512 s = _mm512_set1_ps(sx), sm = _mm512_set1_ps(sx * (float)xsum[i * nb + b]);
+                const __m512 s = _mm512_set1_ps(sx),
+                             sm = _mm512_set1_ps(sx * (float)xsum[i * nb + b]);
                 for (int p = 0; p < np; p++) {
-                    acc[i][p] = _mm512_fmadd_ps(_mm512_mul_ps(s, wd[p]), _mm512_cvtepi32_ps(d[i][p]), acc[i][p]);
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_mul_ps(s, wd[p]),
+                                                _mm512_cvtepi32_ps(d[i][p]), acc[i][p]);
                     acc[i][p] = _mm512_fmadd_ps(wm[p], sm, acc[i][p]);
                 }
             }
@@ -303,7 +313,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
         const uint8_t *blk = w + b * BLOCK_BYTES;
         for (int j = 0; j < KB / 4; j++) {
             __m512i wv[NP];
-            for (int p = 0; p < np; p++) wv[p] = _mm512_loadu_si512(blk + p * panel_stride + j * 64);
+            for (int p = 0; p < np; p++)
+                wv[p] = _mm512_loadu_si512(blk + p * panel_stride + j * 64);
             for (int i = 0; i < mr; i++) {
                 int32_t quad;
                 memcpy(&quad, xq + i * kp + b * KB + 4 * j, 4);
@@ -313,7 +324,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
         }
         __m512 ws[NP];
         for (int p = 0; p < np; p++)
-            ws[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + p * panel_stride + KB * NC)));
+            ws[p] = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(blk + p * panel_stride + KB * NC)));
         for (int i = 0; i < mr; i++) {
             const __m512i c = _mm512_set1_epi32(128 * xsum[i * nb + b]);
             const __m512 s = _mm512_set1_ps(xs[i * nb + b]);
@@ -335,14 +347,15 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
  * saturate: a Q8 code meets |x| with x's sign moved onto it (|q| and |x| <= 127, so a pair is at
  * most 2 * 127 * 127), and a Q4 code (0..15) meets x as it is. */
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
 /* mr rows of quantized x against np panels, each panel as two halves of 8 columns. */
-static inline __attribute__((always_inline)) void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
-                                                       const uint8_t *w, int64_t panel_stride, const void *bias,
-                                                       void *out, int64_t os, int ncols, const int mr, const int np,
-                                                       int bf16, const int fmt) {
+static inline __attribute__((always_inline)) void
+tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
+     int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
+     const int np, int bf16, const int fmt) {
     __m256 acc[MR][NP * 2];
     for (int i = 0; i < mr; i++)
         for (int h = 0; h < 2 * np; h++) acc[i][h] = _mm256_setzero_ps();
@@ -356,8 +369,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
             const __m256i low = _mm256_set1_epi8(0x0f);
             for (int j = 0; j < KB / 8; j++)
                 for (int h = 0; h < 2 * np; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (h / 2) * panel_stride + j * 64 +
-                                                                           (h % 2) * 32));
+                    const __m256i v = _mm256_loadu_si256(
+                        (const __m256i *)(blk + (h / 2) * panel_stride + j * 64 + (h % 2) * 32));
                     const __m256i lo = _mm256_and_si256(v, low);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int i = 0; i < mr; i++) {
@@ -374,8 +387,10 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
                 const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * NC)));
                 for (int i = 0; i < mr; i++) {
                     const float sx = xs[i * nb + b];
-                    const __m256 s = _mm256_set1_ps(sx), sm = _mm256_set1_ps(sx * (float)xsum[i * nb + b]);
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, wd), _mm256_cvtepi32_ps(d[i][h]), acc[i][h]);
+                    const __m256 s = _mm256_set1_ps(sx),
+                                 sm = _mm256_set1_ps(sx * (float)xsum[i * nb + b]);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, wd), _mm256_cvtepi32_ps(d[i][h]),
+                                                acc[i][h]);
                     acc[i][h] = _mm256_fmadd_ps(wm, sm, acc[i][h]);
                 }
             }
@@ -393,8 +408,11 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
             }
             for (int h = 0; h < 2 * np; h++) {
                 const __m256i q = _mm256_xor_si256(
-                    _mm256_loadu_si256((const __m256i *)(blk + (h / 2) * panel_stride + j * 64 + (h % 2) * 32)), flip);
-                for (int i = 0; i < mr; i++) d[i][h] = dot4(d[i][h], xa[i], _mm256_sign_epi8(q, xv[i]));
+                    _mm256_loadu_si256(
+                        (const __m256i *)(blk + (h / 2) * panel_stride + j * 64 + (h % 2) * 32)),
+                    flip);
+                for (int i = 0; i < mr; i++)
+                    d[i][h] = dot4(d[i][h], xa[i], _mm256_sign_epi8(q, xv[i]));
             }
         }
         for (int h = 0; h < 2 * np; h++) {
@@ -402,7 +420,8 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
             const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
             for (int i = 0; i < mr; i++) {
                 const __m256 s = _mm256_set1_ps(xs[i * nb + b]);
-                acc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, ws), _mm256_cvtepi32_ps(d[i][h]), acc[i][h]);
+                acc[i][h] =
+                    _mm256_fmadd_ps(_mm256_mul_ps(s, ws), _mm256_cvtepi32_ps(d[i][h]), acc[i][h]);
             }
         }
     }
@@ -414,9 +433,10 @@ static inline __attribute__((always_inline)) void tile(const int8_t *xq, const f
 }
 #else
 /* The same sums without SIMD: each block's dot product in int32, then the same float steps. */
-static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
-                        int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
-                        const int np, int bf16, const int fmt) {
+static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
+                        const uint8_t *w, int64_t panel_stride, const void *bias, void *out,
+                        int64_t os, int ncols, const int mr, const int np, int bf16,
+                        const int fmt) {
     const int64_t kp = nb * KB;
     for (int i = 0; i < mr; i++) {
         float acc[NC * NP] = {0};
@@ -433,7 +453,8 @@ static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, 
                         for (int c = 0; c < NC; c++)
                             for (int t = 0; t < 4; t++) {
                                 const uint8_t v = blk[j * 64 + 4 * c + t];
-                                d[c] += (int32_t)(v & 0x0f) * xr[4 * j + t] + (int32_t)(v >> 4) * xr[16 + 4 * j + t];
+                                d[c] += (int32_t)(v & 0x0f) * xr[4 * j + t] +
+                                        (int32_t)(v >> 4) * xr[16 + 4 * j + t];
                             }
                     for (int c = 0; c < NC; c++) {
                         float a = fmaf(s * f16_to_float(dd[c]), (float)d[c], acc[p * NC + c]);
@@ -446,9 +467,11 @@ static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, 
                 int32_t d[NC] = {0};
                 for (int j = 0; j < KB / 4; j++)
                     for (int c = 0; c < NC; c++)
-                        for (int t = 0; t < 4; t++) d[c] += (int32_t)blk[j * 64 + 4 * c + t] * xr[4 * j + t];
+                        for (int t = 0; t < 4; t++)
+                            d[c] += (int32_t)blk[j * 64 + 4 * c + t] * xr[4 * j + t];
                 for (int c = 0; c < NC; c++)
-                    acc[p * NC + c] = fmaf(s * f16_to_float(sc[c]), (float)(d[c] - 128 * xsum[i * nb + b]), acc[p * NC + c]);
+                    acc[p * NC + c] = fmaf(s * f16_to_float(sc[c]),
+                                           (float)(d[c] - 128 * xsum[i * nb + b]), acc[p * NC + c]);
             }
         }
         store_row_act((char *)out + i * os * (bf16 ? 2 : 4), acc, ncols, bias, bf16);
@@ -457,24 +480,25 @@ static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, 
 #endif
 
 /* A tile with mr and np made constants, so its sums stay in registers. */
-static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
-                    int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, int mr, int np, int bf16,
-                    int fmt) {
-#define T(R, P)                                                                                 \
-    if (mr == (R) && np == (P)) {                                                               \
-        if (fmt == FMT_Q4)                                                                      \
-            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q4);  \
-        else                                                                                    \
-            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q8);  \
-        return;                                                                                 \
+static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
+                    const uint8_t *w, int64_t panel_stride, const void *bias, void *out, int64_t os,
+                    int ncols, int mr, int np, int bf16, int fmt) {
+#define T(R, P)                                                                                    \
+    if (mr == (R) && np == (P)) {                                                                  \
+        if (fmt == FMT_Q4)                                                                         \
+            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q4);     \
+        else                                                                                       \
+            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q8);     \
+        return;                                                                                    \
     }
     T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(1, 2) T(2, 2) T(3, 2) T(4, 2)
 #undef T
 }
 
 /* Returns 0, -1 where the workspace could not be allocated, -2 for shapes it does not take. */
-int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *out,
-                             int64_t out_stride, int64_t M, int64_t N, int64_t K, int bf16, int fmt, int num_threads) {
+int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed,
+                             const void *bias, void *out, int64_t out_stride, int64_t M, int64_t N,
+                             int64_t K, int bf16, int fmt, int num_threads) {
     if (M < 0 || N < 0 || K < 1 || (fmt != FMT_Q8 && fmt != FMT_Q4)) return -2;
     if (M == 0 || N == 0) return 0;
     if (num_threads < 1) num_threads = 1;
@@ -488,7 +512,8 @@ int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *pac
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * x_stride * elem, K, nb, bf16, xq + m * kp, xs + m * nb, xsum + m * nb);
+        quantize_row((const char *)x + m * x_stride * elem, K, nb, bf16, xq + m * kp, xs + m * nb,
+                     xsum + m * nb);
 
     /* Tiles of two panels share each x broadcast, which pays where a tile has several rows; with
      * a few rows (decode) one panel a tile is faster (measured: ~9 % at SmolLM2's shapes, one row:
@@ -511,9 +536,10 @@ int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *pac
                 const int ncols = N - n < NC * np ? (int)(N - n) : NC * np;
                 for (int64_t m = bm * BLOCK_M; m < m1; m += MR) {
                     const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                    tile_of(xq + m * kp, xs + m * nb, xsum + m * nb, nb, packed + p * panel_stride, panel_stride,
-                            bias == NULL ? NULL : (const char *)bias + n * elem,
-                            (char *)out + (m * out_stride + n) * elem, out_stride, ncols, mr, np, bf16, fmt);
+                    tile_of(xq + m * kp, xs + m * nb, xsum + m * nb, nb, packed + p * panel_stride,
+                            panel_stride, bias == NULL ? NULL : (const char *)bias + n * elem,
+                            (char *)out + (m * out_stride + n) * elem, out_stride, ncols, mr, np,
+                            bf16, fmt);
                 }
             }
         }

@@ -18,29 +18,35 @@
 #include "simd.h"
 
 /* The kernels this runs, from the library's other sources. */
-int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed, const void *bias, void *out,
-                             int64_t out_stride, int64_t M, int64_t N, int64_t K, int bf16, int fmt, int num_threads);
-int sluice_fixed_order_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
-                              int64_t out_stride, int64_t M, int64_t N, int64_t K, int bf16, int num_threads);
-void sluice_add_rmsnorm(const void *x, int64_t x_stride, const void *res, int64_t res_stride, void *res_out,
-                        int64_t res_out_stride, const void *w, float eps, void *out, int64_t out_stride, int rows,
-                        int width, int bf16, int num_threads);
-void sluice_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int inter, int bf16,
+int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed,
+                             const void *bias, void *out, int64_t out_stride, int64_t M, int64_t N,
+                             int64_t K, int bf16, int fmt, int num_threads);
+int sluice_fixed_order_linear(const void *x, int64_t x_stride, const void *packed, const void *bias,
+                              void *out, int64_t out_stride, int64_t M, int64_t N, int64_t K,
+                              int bf16, int num_threads);
+void sluice_add_rmsnorm(const void *x, int64_t x_stride, const void *res, int64_t res_stride,
+                        void *res_out, int64_t res_out_stride, const void *w, float eps, void *out,
+                        int64_t out_stride, int rows, int width, int bf16, int num_threads);
+void sluice_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows,
+                         int inter, int bf16, int num_threads);
+void sluice_rotary(void *q, int64_t q_stride, int hq, void *k, int64_t k_stride, int hkv, int d,
+                   const float *cos, const float *sin, int rows, int bf16, int num_threads);
+void sluice_write_kv_copy(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv,
+                          int d, const int64_t *slots, void *cache, int bs, int elem_bytes,
+                          int num_threads);
+int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv,
+                         int d, const int64_t *slots, int8_t *cache, float *scale, int bs, int bf16,
                          int num_threads);
-void sluice_rotary(void *q, int64_t q_stride, int hq, void *k, int64_t k_stride, int hkv, int d, const float *cos,
-                   const float *sin, int rows, int bf16, int num_threads);
-void sluice_write_kv_copy(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
-                          const int64_t *slots, void *cache, int bs, int elem_bytes, int num_threads);
-int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
-                         const int64_t *slots, int8_t *cache, float *scale, int bs, int bf16, int num_threads);
-int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const int64_t *tokens, int n,
-                        const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
-                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d,
-                        int bs, float scale, int window, int max_len, int kind, int bf16, int num_threads);
-int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out_stride, const int64_t *starts,
-                         const int32_t *q_lens, const int32_t *seq_lens, int n, const void *k_cache,
-                         const void *v_cache, const float *k_scale, const float *v_scale, const int32_t *block_tables,
-                         int64_t bt_stride, int hkv, int g, int d, int bs, float scale, int window, int kind, int bf16,
+int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                        const int64_t *tokens, int n, const void *k_cache, const void *v_cache,
+                        const float *k_scale, const float *v_scale, const int32_t *block_tables,
+                        int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d, int bs,
+                        float scale, int window, int max_len, int kind, int bf16, int num_threads);
+int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                         const int64_t *starts, const int32_t *q_lens, const int32_t *seq_lens,
+                         int n, const void *k_cache, const void *v_cache, const float *k_scale,
+                         const float *v_scale, const int32_t *block_tables, int64_t bt_stride,
+                         int hkv, int g, int d, int bs, float scale, int window, int kind, int bf16,
                          int num_threads);
 
 /* A matmul's weight: how it is packed (`kind`) and where. */
@@ -66,8 +72,8 @@ typedef struct {
     int64_t rows, hidden, heads, kv_heads, head_dim, inter, block_size;
     float eps, scale;
     int32_t window, cache_kind, bf16, num_threads;
-    const float *cos, *sin;  /* [rows, D/2] */
-    const int64_t *slots;    /* [rows] */
+    const float *cos, *sin; /* [rows, D/2] */
+    const int64_t *slots;   /* [rows] */
     int64_t num_decodes, decode_bt_stride, max_seq_len;
     const int64_t *decode_tokens;
     const int32_t *decode_block_tables, *decode_seq_lens;
@@ -76,28 +82,33 @@ typedef struct {
     const int32_t *prefill_q_lens, *prefill_seq_lens, *prefill_block_tables;
 } sluice_step;
 
-static int matmul(const sluice_weight *w, const void *x, int64_t x_stride, void *out, int64_t M, int64_t N, int64_t K,
-                  const sluice_step *s) {
+static int matmul(const sluice_weight *w, const void *x, int64_t x_stride, void *out, int64_t M,
+                  int64_t N, int64_t K, const sluice_step *s) {
     if (w->kind == W_FIXED_ORDER)
-        return sluice_fixed_order_linear(x, x_stride, w->data, w->bias, out, N, M, N, K, s->bf16, s->num_threads);
-    return sluice_block_int8_linear(x, x_stride, w->data, w->bias, out, N, M, N, K, s->bf16, (int)w->kind,
-                                    s->num_threads);
+        return sluice_fixed_order_linear(x, x_stride, w->data, w->bias, out, N, M, N, K, s->bf16,
+                                         s->num_threads);
+    return sluice_block_int8_linear(x, x_stride, w->data, w->bias, out, N, M, N, K, s->bf16,
+                                    (int)w->kind, s->num_threads);
 }
 
 /* k or v rows of the step (strided inside qkv) into one layer's cache. */
-static int write_kv(const sluice_step *s, const char *x, int64_t tok_stride, void *cache, float *scale) {
-    const int T = (int)s->rows, hkv = (int)s->kv_heads, d = (int)s->head_dim, bs = (int)s->block_size;
+static int write_kv(const sluice_step *s, const char *x, int64_t tok_stride, void *cache,
+                    float *scale) {
+    const int T = (int)s->rows, hkv = (int)s->kv_heads, d = (int)s->head_dim,
+              bs = (int)s->block_size;
     if (scale != NULL)
-        return sluice_write_kv_int8(x, tok_stride, d, T, hkv, d, s->slots, cache, scale, bs, s->bf16, s->num_threads);
-    sluice_write_kv_copy(x, tok_stride, d, T, hkv, d, s->slots, cache, bs, s->bf16 ? 2 : 4, s->num_threads);
+        return sluice_write_kv_int8(x, tok_stride, d, T, hkv, d, s->slots, cache, scale, bs,
+                                    s->bf16, s->num_threads);
+    sluice_write_kv_copy(x, tok_stride, d, T, hkv, d, s->slots, cache, bs, s->bf16 ? 2 : 4,
+                         s->num_threads);
     return 0;
 }
 
 /* x [rows, H] and residual [rows, H] (the layer stack's input is x + residual; res_in NULL: x
  * alone) -> the last layer's (x, residual) in x_out and res_out. Returns 0, -1 where scratch
  * memory could not be had, or the first failing kernel's code. */
-int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const sluice_step *s, const void *x_in,
-                          const void *res_in, void *x_out, void *res_out) {
+int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const sluice_step *s,
+                          const void *x_in, const void *res_in, void *x_out, void *res_out) {
     const int64_t T = s->rows, H = s->hidden, D = s->head_dim, I = s->inter, elem = s->bf16 ? 2 : 4;
     const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_n = q_size + 2 * kv_size;
     const int g = (int)(s->heads / s->kv_heads), nt = s->num_threads;
@@ -109,7 +120,8 @@ int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const slui
     for (int i = 0; i < 6; i++) total += T * widths[i];
     char *scratch = malloc((size_t)(total * elem));
     if (scratch == NULL) return -1;
-    char *h = scratch, *mid = h + T * H * elem, *qkv = mid + T * H * elem, *attn = qkv + T * qkv_n * elem;
+    char *h = scratch, *mid = h + T * H * elem, *qkv = mid + T * H * elem,
+         *attn = qkv + T * qkv_n * elem;
     char *gu = attn + T * q_size * elem, *act = gu + T * 2 * I * elem;
 
     /* The residual goes res -> mid (first norm) -> res_out (second norm), so no norm writes the
@@ -119,28 +131,31 @@ int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const slui
     for (int l = 0; l < num_layers; l++) {
         const sluice_layer *L = &layers[l];
         const void *r1 = res == NULL ? x : mid;
-        sluice_add_rmsnorm(x, H, res, H, mid, H, L->input_norm, s->eps, h, H, (int)T, (int)H, s->bf16, nt);
+        sluice_add_rmsnorm(x, H, res, H, mid, H, L->input_norm, s->eps, h, H, (int)T, (int)H,
+                           s->bf16, nt);
         if ((rc = matmul(&L->qkv, h, H, qkv, T, qkv_n, H, s)) != 0) break;
-        sluice_rotary(qkv, qkv_n, (int)s->heads, qkv + q_size * elem, qkv_n, (int)s->kv_heads, (int)D, s->cos, s->sin,
-                      (int)T, s->bf16, nt);
+        sluice_rotary(qkv, qkv_n, (int)s->heads, qkv + q_size * elem, qkv_n, (int)s->kv_heads,
+                      (int)D, s->cos, s->sin, (int)T, s->bf16, nt);
         if ((rc = write_kv(s, qkv + q_size * elem, qkv_n, L->k_cache, L->k_scale)) != 0) break;
-        if ((rc = write_kv(s, qkv + (q_size + kv_size) * elem, qkv_n, L->v_cache, L->v_scale)) != 0) break;
+        if ((rc = write_kv(s, qkv + (q_size + kv_size) * elem, qkv_n, L->v_cache, L->v_scale)) != 0)
+            break;
         if (s->num_decodes > 0 &&
-            (rc = sluice_paged_decode(qkv, qkv_n, attn, q_size, s->decode_tokens, (int)s->num_decodes, L->k_cache,
-                                      L->v_cache, L->k_scale, L->v_scale, s->decode_block_tables,
-                                      s->decode_bt_stride, s->decode_seq_lens, (int)s->kv_heads, g, (int)D,
-                                      (int)s->block_size, s->scale, s->window, (int)s->max_seq_len, s->cache_kind,
-                                      s->bf16, nt)) != 0)
+            (rc = sluice_paged_decode(
+                 qkv, qkv_n, attn, q_size, s->decode_tokens, (int)s->num_decodes, L->k_cache,
+                 L->v_cache, L->k_scale, L->v_scale, s->decode_block_tables, s->decode_bt_stride,
+                 s->decode_seq_lens, (int)s->kv_heads, g, (int)D, (int)s->block_size, s->scale,
+                 s->window, (int)s->max_seq_len, s->cache_kind, s->bf16, nt)) != 0)
             break;
         if (s->num_prefills > 0 &&
-            (rc = sluice_paged_prefill(qkv, qkv_n, attn, q_size, s->prefill_starts, s->prefill_q_lens,
-                                       s->prefill_seq_lens, (int)s->num_prefills, L->k_cache, L->v_cache, L->k_scale,
-                                       L->v_scale, s->prefill_block_tables, s->prefill_bt_stride, (int)s->kv_heads, g,
-                                       (int)D, (int)s->block_size, s->scale, s->window, s->cache_kind, s->bf16,
-                                       nt)) != 0)
+            (rc = sluice_paged_prefill(
+                 qkv, qkv_n, attn, q_size, s->prefill_starts, s->prefill_q_lens,
+                 s->prefill_seq_lens, (int)s->num_prefills, L->k_cache, L->v_cache, L->k_scale,
+                 L->v_scale, s->prefill_block_tables, s->prefill_bt_stride, (int)s->kv_heads, g,
+                 (int)D, (int)s->block_size, s->scale, s->window, s->cache_kind, s->bf16, nt)) != 0)
             break;
         if ((rc = matmul(&L->o, attn, q_size, x_out, T, H, q_size, s)) != 0) break;
-        sluice_add_rmsnorm(x_out, H, r1, H, res_out, H, L->post_norm, s->eps, h, H, (int)T, (int)H, s->bf16, nt);
+        sluice_add_rmsnorm(x_out, H, r1, H, res_out, H, L->post_norm, s->eps, h, H, (int)T, (int)H,
+                           s->bf16, nt);
         if ((rc = matmul(&L->gate_up, h, H, gu, T, 2 * I, H, s)) != 0) break;
         sluice_silu_and_mul(gu, 2 * I, act, I, (int)T, (int)I, s->bf16, nt);
         if ((rc = matmul(&L->down, act, I, x_out, T, H, I, s)) != 0) break;
@@ -150,8 +165,8 @@ int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const slui
     return rc;
 }
 
-int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids, int64_t T, void *out,
-                           int bf16);
+int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
+                           int64_t T, void *out, int bf16);
 
 /* Where a step's token embeddings come from. */
 #define EMBED_TABLE 0     /* a [vocab, H] table in the activations' type: rows copied */
@@ -170,7 +185,8 @@ static void int8_row(const sluice_embedding *e, int64_t id, int64_t H, int bf16,
     const int8_t *codes = (const int8_t *)e->data + id * H;
     if (bf16) {
         const float scale = bf16_to_float(float_to_bf16(e->scales[id]));
-        for (int64_t k = 0; k < H; k++) ((uint16_t *)out)[k] = float_to_bf16((float)codes[k] * scale);
+        for (int64_t k = 0; k < H; k++)
+            ((uint16_t *)out)[k] = float_to_bf16((float)codes[k] * scale);
     } else {
         for (int64_t k = 0; k < H; k++) ((float *)out)[k] = (float)codes[k] * e->scales[id];
     }
@@ -185,10 +201,12 @@ static void int8_row(const sluice_embedding *e, int64_t id, int64_t H, int bf16,
  * scratch memory could not be had, -3 for a token id outside the vocabulary, or the first
  * failing kernel's code. */
 int sluice_decode_forward(const sluice_layer *layers, int num_layers, const sluice_step *step,
-                          const sluice_embedding *embed, const int64_t *ids, const int64_t *positions,
-                          const float *cos_table, const float *sin_table, const void *final_norm, void *out,
-                          const sluice_weight *head, int64_t vocab, void *logits) {
-    const int64_t T = step->rows, H = step->hidden, half = step->head_dim / 2, elem = step->bf16 ? 2 : 4;
+                          const sluice_embedding *embed, const int64_t *ids,
+                          const int64_t *positions, const float *cos_table, const float *sin_table,
+                          const void *final_norm, void *out, const sluice_weight *head,
+                          int64_t vocab, void *logits) {
+    const int64_t T = step->rows, H = step->hidden, half = step->head_dim / 2,
+                  elem = step->bf16 ? 2 : 4;
     if (T == 0) return 0;
     /* x, the last layer's x, its residual [T, H]; then cos and sin [T, D/2] */
     char *scratch = malloc((size_t)(3 * T * H * elem) + sizeof(float) * (size_t)(2 * T * half));
@@ -197,12 +215,17 @@ int sluice_decode_forward(const sluice_layer *layers, int num_layers, const slui
     float *cos = (float *)(res + T * H * elem), *sin = cos + T * half;
     int rc = 0;
     if (embed->kind == EMBED_BLOCKS) {
-        if (sluice_block_int8_rows(embed->data, embed->vocab, H, ids, T, x, step->bf16) != 0) rc = -3;
+        if (sluice_block_int8_rows(embed->data, embed->vocab, H, ids, T, x, step->bf16) != 0)
+            rc = -3;
     } else {
         for (int64_t t = 0; t < T && rc == 0; t++) {
-            if (ids[t] < 0 || ids[t] >= embed->vocab) rc = -3;
-            else if (embed->kind == EMBED_ROWS_INT8) int8_row(embed, ids[t], H, step->bf16, x + t * H * elem);
-            else memcpy(x + t * H * elem, (const char *)embed->data + ids[t] * H * elem, (size_t)(H * elem));
+            if (ids[t] < 0 || ids[t] >= embed->vocab)
+                rc = -3;
+            else if (embed->kind == EMBED_ROWS_INT8)
+                int8_row(embed, ids[t], H, step->bf16, x + t * H * elem);
+            else
+                memcpy(x + t * H * elem, (const char *)embed->data + ids[t] * H * elem,
+                       (size_t)(H * elem));
         }
     }
     if (rc == 0) {
@@ -215,8 +238,8 @@ int sluice_decode_forward(const sluice_layer *layers, int num_layers, const slui
         rc = sluice_decoder_layers(layers, num_layers, &s, x, NULL, x_last, res);
         /* the final norm of x + residual; the sum it also gives goes to x, no longer needed */
         if (rc == 0)
-            sluice_add_rmsnorm(x_last, H, res, H, x, H, final_norm, s.eps, out, H, (int)T, (int)H, s.bf16,
-                               s.num_threads);
+            sluice_add_rmsnorm(x_last, H, res, H, x, H, final_norm, s.eps, out, H, (int)T, (int)H,
+                               s.bf16, s.num_threads);
         if (rc == 0 && head != NULL) rc = matmul(head, out, H, logits, T, vocab, H, &s);
     }
     free(scratch);

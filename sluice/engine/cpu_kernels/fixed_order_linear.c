@@ -28,7 +28,7 @@
 
 #define NR 32 /* columns of a panel */
 #if defined(__AVX512F__)
-#define MR 6 /* rows of a tile: 12 sums, 2 weight vectors and a broadcast in 32 registers */
+#define MR 6  /* rows of a tile: 12 sums, 2 weight vectors and a broadcast in 32 registers */
 #define VW 16 /* floats a vector */
 typedef v16f vf;
 static inline vf load_vf(const float *p) { return load16(p); }
@@ -76,7 +76,8 @@ void sluice_fixed_order_pack(const void *w, int64_t N, int64_t K, int bf16, void
                 if (!bf16)
                     ((float *)packed)[p * per + k * NR + c] = ((const float *)w)[n * K + k];
                 else if (HAVE_BF16_DOT)
-                    ((uint16_t *)packed)[p * per + (k / 2) * 2 * NR + 2 * c + (k & 1)] = ((const uint16_t *)w)[n * K + k];
+                    ((uint16_t *)packed)[p * per + (k / 2) * 2 * NR + 2 * c + (k & 1)] =
+                        ((const uint16_t *)w)[n * K + k];
                 else
                     ((uint16_t *)packed)[p * per + k * NR + c] = ((const uint16_t *)w)[n * K + k];
             }
@@ -90,9 +91,10 @@ static inline uint32_t word_at(const uint16_t *p) {
 }
 
 /* mr rows of x against one panel: out columns 0 .. ncols-1 of those rows. */
-static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs, const void *wp, int64_t K,
-                                                       const void *bias, void *out, int64_t os, int ncols,
-                                                       const int mr, const int bf16) {
+static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs, const void *wp,
+                                                       int64_t K, const void *bias, void *out,
+                                                       int64_t os, int ncols, const int mr,
+                                                       const int bf16) {
     vf acc[MR][NV];
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};
@@ -111,15 +113,15 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
 #if HAVE_BF16_DOT
         /* a step per pair of k: both x elements broadcast as one 32-bit word; a last odd k
          * pairs with zero */
-#define PAIR_STEP(J, PAIR_OF_ROW)                                                                 \
-    do {                                                                                          \
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (J) * 2 * NR);                       \
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (J) * 2 * NR + NR);                  \
-        for (int i = 0; i < mr; i++) {                                                            \
-            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)(PAIR_OF_ROW));                 \
-            acc[i][0] = (v16f)_mm512_dpbf16_ps((__m512)acc[i][0], xb, w0);                        \
-            acc[i][1] = (v16f)_mm512_dpbf16_ps((__m512)acc[i][1], xb, w1);                        \
-        }                                                                                         \
+#define PAIR_STEP(J, PAIR_OF_ROW)                                                                  \
+    do {                                                                                           \
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (J)*2 * NR);                          \
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (J)*2 * NR + NR);                     \
+        for (int i = 0; i < mr; i++) {                                                             \
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)(PAIR_OF_ROW));                   \
+            acc[i][0] = (v16f)_mm512_dpbf16_ps((__m512)acc[i][0], xb, w0);                         \
+            acc[i][1] = (v16f)_mm512_dpbf16_ps((__m512)acc[i][1], xb, w1);                         \
+        }                                                                                          \
     } while (0)
         for (int64_t j = 0; j < K / 2; j++) PAIR_STEP(j, word_at(xh + i * xs + 2 * j));
         if (K & 1) PAIR_STEP(K / 2, (uint32_t)xh[i * xs + K - 1]);
@@ -143,25 +145,23 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
 }
 
 /* A tile of mr rows, mr made a constant so the sums stay in registers. */
-static void tile_rows(const void *x, int64_t xs, const void *wp, int64_t K, const void *bias, void *out, int64_t os,
-                      int ncols, int mr, int bf16) {
-#define T(R)                                                                         \
-    case R:                                                                          \
-        if (bf16)                                                                    \
-            tile(x, xs, wp, K, bias, out, os, ncols, (R) < MR ? (R) : MR, 1);         \
-        else                                                                         \
-            tile(x, xs, wp, K, bias, out, os, ncols, (R) < MR ? (R) : MR, 0);         \
+static void tile_rows(const void *x, int64_t xs, const void *wp, int64_t K, const void *bias,
+                      void *out, int64_t os, int ncols, int mr, int bf16) {
+#define T(R)                                                                                       \
+    case R:                                                                                        \
+        if (bf16)                                                                                  \
+            tile(x, xs, wp, K, bias, out, os, ncols, (R) < MR ? (R) : MR, 1);                      \
+        else                                                                                       \
+            tile(x, xs, wp, K, bias, out, os, ncols, (R) < MR ? (R) : MR, 0);                      \
         return;
-    switch (mr) {
-        T(1) T(2) T(3) T(4) T(5) T(6)
-        default: return;
-    }
+    switch (mr) { T(1) T(2) T(3) T(4) T(5) T(6) default : return; }
 #undef T
 }
 
 /* Returns 0, or -2 for shapes it does not take. */
-int sluice_fixed_order_linear(const void *x, int64_t x_stride, const void *packed, const void *bias, void *out,
-                              int64_t out_stride, int64_t M, int64_t N, int64_t K, int bf16, int num_threads) {
+int sluice_fixed_order_linear(const void *x, int64_t x_stride, const void *packed, const void *bias,
+                              void *out, int64_t out_stride, int64_t M, int64_t N, int64_t K,
+                              int bf16, int num_threads) {
     if (M < 0 || N < 0 || K < 1) return -2;
     if (num_threads < 1) num_threads = 1;
     const int64_t elem = bf16 ? 2 : 4, per = panel_elems(K, bf16), P = panels(N);
@@ -182,7 +182,8 @@ int sluice_fixed_order_linear(const void *x, int64_t x_stride, const void *packe
                     tile_rows((const char *)x + m * x_stride * elem, x_stride,
                               (const char *)packed + p * per * elem, K,
                               bias == NULL ? NULL : (const char *)bias + n * elem,
-                              (char *)out + (m * out_stride + n) * elem, out_stride, ncols, mr, bf16);
+                              (char *)out + (m * out_stride + n) * elem, out_stride, ncols, mr,
+                              bf16);
                 }
             }
         }

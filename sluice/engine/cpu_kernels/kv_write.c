@@ -29,8 +29,9 @@ static inline int8_t quant(float y) {
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
-                         const int64_t *slots, int8_t *cache, float *scale, int bs, int bf16, int num_threads) {
+int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv,
+                         int d, const int64_t *slots, int8_t *cache, float *scale, int bs, int bf16,
+                         int num_threads) {
     /* runs of consecutive tokens writing the same block: tokens run_start[r] .. run_end[r] - 1 */
     int *run_start = malloc(sizeof(int) * 2 * (size_t)(T + 1));
     if (run_start == NULL) return -1;
@@ -48,7 +49,8 @@ int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride,
         t = u;
     }
     const int64_t items = (int64_t)runs * hkv;
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)T * hkv * d >= PARALLEL_MIN_ELEMS) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)T * hkv * d >= PARALLEL_MIN_ELEMS)  \
+    schedule(static)
     for (int64_t it = 0; it < items; it++) {
         const int r = (int)(it / hkv), h = (int)(it % hkv);
         const int t0 = run_start[r], t1 = run_end[r];
@@ -73,7 +75,8 @@ int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride,
         int8_t *base = cache + (blk * hkv + h) * (int64_t)bs * d;
         if (first > 0 && s > s_old) {
             const float ratio = s_old / s;
-            for (int64_t e = 0; e < (int64_t)first * d; e++) base[e] = quant((float)base[e] * ratio);
+            for (int64_t e = 0; e < (int64_t)first * d; e++)
+                base[e] = quant((float)base[e] * ratio);
         }
         for (int t = t0; t < t1; t++) {
             const int64_t xt = t * tok_stride + h * head_stride;
@@ -88,14 +91,17 @@ int sluice_write_kv_int8(const void *x, int64_t tok_stride, int64_t head_stride,
 
 /* The plain copy into a cache of x's own type (float32 or bfloat16: elem_bytes 4 or 2): token t's
  * K (or V) rows go to slot slots[t] (negative: skipped), one [D] row per head. */
-void sluice_write_kv_copy(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv, int d,
-                          const int64_t *slots, void *cache, int bs, int elem_bytes, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)T * hkv * d >= PARALLEL_MIN_ELEMS) schedule(static)
+void sluice_write_kv_copy(const void *x, int64_t tok_stride, int64_t head_stride, int T, int hkv,
+                          int d, const int64_t *slots, void *cache, int bs, int elem_bytes,
+                          int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)T * hkv * d >= PARALLEL_MIN_ELEMS)  \
+    schedule(static)
     for (int t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
         const int64_t blk = slots[t] / bs, off = slots[t] % bs;
         for (int h = 0; h < hkv; h++)
             memcpy((char *)cache + ((blk * hkv + h) * bs + off) * d * elem_bytes,
-                   (const char *)x + (t * tok_stride + h * head_stride) * elem_bytes, (size_t)elem_bytes * d);
+                   (const char *)x + (t * tok_stride + h * head_stride) * elem_bytes,
+                   (size_t)elem_bytes * d);
     }
 }

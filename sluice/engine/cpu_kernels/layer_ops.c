@@ -18,8 +18,9 @@
  * of 64 rows of 576 (~37 K) is worth both threads: RMSNorm ~53 -> ~42 us a call in the model. */
 #define PARALLEL_MIN_ELEMS (1 << 14)
 
-static void add_rmsnorm_row_f32(const float *restrict x, const float *restrict res, float *restrict res_out,
-                                const float *restrict w, float eps, float *restrict out, int width) {
+static void add_rmsnorm_row_f32(const float *restrict x, const float *restrict res,
+                                float *restrict res_out, const float *restrict w, float eps,
+                                float *restrict out, int width) {
     const float *r = x;
     if (res != NULL) {
 #pragma omp simd
@@ -37,13 +38,14 @@ static void add_rmsnorm_row_f32(const float *restrict x, const float *restrict r
 /* bfloat16 rows in explicit 16-wide vectors (the rounding is one instruction where the CPU has
  * AVX512-BF16), the last width % 16 elements one by one. The sum is rounded before the norm reads
  * it, and the normalized value before the weight multiplies it, as in HF. */
-static void add_rmsnorm_row_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out, const uint16_t *w,
-                                 float eps, uint16_t *out, int width) {
+static void add_rmsnorm_row_bf16(const uint16_t *x, const uint16_t *res, uint16_t *res_out,
+                                 const uint16_t *w, float eps, uint16_t *out, int width) {
     const int vec = width - width % 16;
     const uint16_t *r = x;
     if (res != NULL) {
         for (int i = 0; i < vec; i += 16) narrow16(res_out + i, widen16(x + i) + widen16(res + i));
-        for (int i = vec; i < width; i++) res_out[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(res[i]));
+        for (int i = vec; i < width; i++)
+            res_out[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(res[i]));
         r = res_out;
     }
     v16f ssv = {0};
@@ -55,27 +57,31 @@ static void add_rmsnorm_row_bf16(const uint16_t *x, const uint16_t *res, uint16_
     for (int c = 0; c < 16; c++) ss += ssv[c];
     for (int i = vec; i < width; i++) ss += bf16_to_float(r[i]) * bf16_to_float(r[i]);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    for (int i = 0; i < vec; i += 16) narrow16(out + i, widen16(w + i) * round16_bf16(widen16(r + i) * inv));
+    for (int i = 0; i < vec; i += 16)
+        narrow16(out + i, widen16(w + i) * round16_bf16(widen16(r + i) * inv));
     for (int i = vec; i < width; i++)
-        out[i] = float_to_bf16(bf16_to_float(w[i]) * bf16_to_float(float_to_bf16(bf16_to_float(r[i]) * inv)));
+        out[i] = float_to_bf16(bf16_to_float(w[i]) *
+                               bf16_to_float(float_to_bf16(bf16_to_float(r[i]) * inv)));
 }
 
 /* res_out = x + res (res NULL: res_out is x itself and is not written); out = w * rmsnorm(res_out). */
-void sluice_add_rmsnorm(const void *x, int64_t x_stride, const void *res, int64_t res_stride, void *res_out,
-                        int64_t res_out_stride, const void *w, float eps, void *out, int64_t out_stride, int rows,
-                        int width, int bf16, int num_threads) {
+void sluice_add_rmsnorm(const void *x, int64_t x_stride, const void *res, int64_t res_stride,
+                        void *res_out, int64_t res_out_stride, const void *w, float eps, void *out,
+                        int64_t out_stride, int rows, int width, int bf16, int num_threads) {
     const int64_t b = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMS) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_MIN_ELEMS) \
+    schedule(static)
     for (int t = 0; t < rows; t++) {
         const char *xt = (const char *)x + t * x_stride * b;
         const char *rt = res == NULL ? NULL : (const char *)res + t * res_stride * b;
         char *ro = res == NULL ? NULL : (char *)res_out + t * res_out_stride * b;
         char *o = (char *)out + t * out_stride * b;
         if (bf16)
-            add_rmsnorm_row_bf16((const uint16_t *)xt, (const uint16_t *)rt, (uint16_t *)ro, w, eps, (uint16_t *)o,
-                                 width);
+            add_rmsnorm_row_bf16((const uint16_t *)xt, (const uint16_t *)rt, (uint16_t *)ro, w, eps,
+                                 (uint16_t *)o, width);
         else
-            add_rmsnorm_row_f32((const float *)xt, (const float *)rt, (float *)ro, w, eps, (float *)o, width);
+            add_rmsnorm_row_f32((const float *)xt, (const float *)rt, (float *)ro, w, eps,
+                                (float *)o, width);
     }
 }
 
@@ -83,7 +89,8 @@ void sluice_add_rmsnorm(const void *x, int64_t x_stride, const void *res, int64_
  * exponent never overflows. bfloat16 rows pass through float buffers of STAGE elements. */
 #define STAGE 256
 
-static void silu_and_mul_f32(const float *restrict gate, const float *restrict up, float *restrict out, int n) {
+static void silu_and_mul_f32(const float *restrict gate, const float *restrict up,
+                             float *restrict out, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) {
         const float g = gate[i];
@@ -105,21 +112,24 @@ static void silu_and_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t
 }
 
 /* x [T, 2I] = (gate | up) -> out [T, I] */
-void sluice_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows, int inter, int bf16,
-                         int num_threads) {
+void sluice_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t out_stride, int rows,
+                         int inter, int bf16, int num_threads) {
     const int64_t b = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= PARALLEL_MIN_ELEMS) schedule(static)
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * inter >= PARALLEL_MIN_ELEMS) \
+    schedule(static)
     for (int t = 0; t < rows; t++) {
         const char *xt = (const char *)x + t * x_stride * b;
         char *o = (char *)out + t * out_stride * b;
         if (bf16)
-            silu_and_mul_bf16((const uint16_t *)xt, (const uint16_t *)(xt + inter * b), (uint16_t *)o, inter);
+            silu_and_mul_bf16((const uint16_t *)xt, (const uint16_t *)(xt + inter * b),
+                              (uint16_t *)o, inter);
         else
             silu_and_mul_f32((const float *)xt, (const float *)(xt + inter * b), (float *)o, inter);
     }
 }
 
-static void rotate_f32(float *restrict x1, float *restrict x2, const float *c, const float *s, int half) {
+static void rotate_f32(float *restrict x1, float *restrict x2, const float *c, const float *s,
+                       int half) {
 #pragma omp simd
     for (int i = 0; i < half; i++) {
         const float a = x1[i], b = x2[i];
@@ -144,12 +154,12 @@ static void rotate_head(void *x, const float *c, const float *s, int half, int b
 
 /* Rotate the pairs (i, i + D/2) of every head of q [T, Hq, D] and k [T, Hkv, D] in place:
  * (x1 cos - x2 sin, x2 cos + x1 sin); cos, sin [T, D/2] float32. */
-void sluice_rotary(void *q, int64_t q_stride, int hq, void *k, int64_t k_stride, int hkv, int d, const float *cos,
-                   const float *sin, int rows, int bf16, int num_threads) {
+void sluice_rotary(void *q, int64_t q_stride, int hq, void *k, int64_t k_stride, int hkv, int d,
+                   const float *cos, const float *sin, int rows, int bf16, int num_threads) {
     const int half = d / 2;
     const int64_t b = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * (hq + hkv) * d >= PARALLEL_MIN_ELEMS) \
-    schedule(static)
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * (hq + hkv) * d >=            \
+                                                      PARALLEL_MIN_ELEMS) schedule(static)
     for (int t = 0; t < rows; t++) {
         const float *c = cos + (int64_t)t * half;
         const float *s = sin + (int64_t)t * half;

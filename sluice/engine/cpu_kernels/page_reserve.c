@@ -31,7 +31,7 @@ typedef struct {
     int64_t n;
     uint64_t *starts; /* page-aligned */
     uint64_t *lengths;
-    int64_t chunk_bytes; /* one madvise call: short, so the mm lock is held briefly */
+    int64_t chunk_bytes;   /* one madvise call: short, so the mm lock is held briefly */
     _Atomic int32_t state; /* RESERVE_*, or -errno where madvise failed */
     _Atomic int32_t stop;
     _Atomic int32_t refs;

@@ -36,9 +36,10 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
 
 /* The generic path (any block size and D), one KV head of one sequence: q and out point at its G
  * query heads ([G, D] rows). scores: scratch of g * len floats; acc: g * d floats. */
-static inline __attribute__((always_inline)) void decode_item(const float *q, float *out, const float *k_cache,
-                               const float *v_cache, const int32_t *table, int first, int len, int hkv, int h,
-                               int g, int d, int bs, float scale, float *scores, float *acc) {
+static inline __attribute__((always_inline)) void
+decode_item(const float *q, float *out, const float *k_cache, const float *v_cache,
+            const int32_t *table, int first, int len, int hkv, int h, int g, int d, int bs,
+            float scale, float *scores, float *acc) {
     const int64_t block_elems = (int64_t)bs * d;
     const int count = len - first;
 
@@ -50,7 +51,8 @@ static inline __attribute__((always_inline)) void decode_item(const float *q, fl
         const float *k = k_cache + ((int64_t)blk * hkv + h) * block_elems + (int64_t)off * d;
         for (int t = 0; t < n; t++)
             for (int j = 0; j < g; j++)
-                scores[(int64_t)j * count + (p - first) + t] = dot(q + j * d, k + (int64_t)t * d, d) * scale;
+                scores[(int64_t)j * count + (p - first) + t] =
+                    dot(q + j * d, k + (int64_t)t * d, d) * scale;
         p += n;
     }
 
@@ -129,10 +131,12 @@ static inline int follows(const int32_t *table, int b) { return table[b] == tabl
  * (a part of a context split over threads, see `merge_parts`), the rows' float32 sums before the
  * division go to `part` ([Hq, D]) and each row's maximum score and sum of weights to `part_stats`
  * ([Hq, 2]) instead of the output to `out`. */
-static inline __attribute__((always_inline)) void decode_seq_fast(
-    const void *q, void *out, const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
-    const int32_t *table, int first, int len, int hkv, int h0, int h1, int g, const int nv, const int kind,
-    const int bf16, float scale, float *qs, float *acc_all, float *scores, float *part, float *part_stats) {
+static inline __attribute__((always_inline)) void
+decode_seq_fast(const void *q, void *out, const void *k_cache, const void *v_cache,
+                const float *k_scale, const float *v_scale, const int32_t *table, int first,
+                int len, int hkv, int h0, int h1, int g, const int nv, const int kind,
+                const int bf16, float scale, float *qs, float *acc_all, float *scores, float *part,
+                float *part_stats) {
     const int d = 16 * nv, hq = hkv * g;
     const int64_t block_elems = (int64_t)FAST_BLOCK * d;
     const int64_t elem_bytes = cache_elem_bytes(kind);
@@ -142,18 +146,22 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
     const int lo = first - b0 * FAST_BLOCK, hi = len - b0 * FAST_BLOCK;
     float widened[FAST_BLOCK * 128]; /* a widened block of one head, read by all its queries */
 
-    if (!(HAVE_BF16_DOT && kind == CACHE_BF16)) /* that path reads the bfloat16 queries as they are */
+    /* that path reads the bfloat16 queries as they are */
+    if (!(HAVE_BF16_DOT && kind == CACHE_BF16))
         for (int r = h0 * g; r < h1 * g; r++)
-            for (int c = 0; c < nv; c++) store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
+            for (int c = 0; c < nv; c++)
+                store16(qs + r * d + 16 * c, load16_act(q, r * d + 16 * c, bf16) * scale);
 
     const int64_t block_bytes = hkv * block_elems * elem_bytes; /* all heads of a block: one run */
     const int ahead = block_bytes >= PREFETCH_BYTES ? 1 : (int)(PREFETCH_BYTES / block_bytes);
     for (int b = b0 + 1; b < b0 + ahead && b < b1; b++)
-        if (!follows(table, b)) prefetch_bytes((const char *)k_cache + (int64_t)table[b] * block_bytes, block_bytes);
+        if (!follows(table, b))
+            prefetch_bytes((const char *)k_cache + (int64_t)table[b] * block_bytes, block_bytes);
     for (int b = b0; b < b1; b++) {
         const int64_t kb = (int64_t)table[b] * hkv * block_elems;
         if (b + ahead < b1 && !follows(table, b + ahead))
-            prefetch_bytes((const char *)k_cache + (int64_t)table[b + ahead] * block_bytes, block_bytes);
+            prefetch_bytes((const char *)k_cache + (int64_t)table[b + ahead] * block_bytes,
+                           block_bytes);
         for (int h = h0; h < h1; h++) {
 #if HAVE_BF16_DOT
             if (kind == CACHE_BF16) {
@@ -162,20 +170,24 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
                 for (int j = 0; j < g; j++) {
                     const uint16_t *qr = (const uint16_t *)q + (h * g + j) * d;
                     v16f part[16];
-                    for (int t = 0; t < FAST_BLOCK; t++) part[t] = dot_bf16_partial(qr, k + t * d, nv / 2);
-                    store16(scores + (h * g + j) * stride + (b - b0) * FAST_BLOCK, transpose_sum16(part) * scale);
+                    for (int t = 0; t < FAST_BLOCK; t++)
+                        part[t] = dot_bf16_partial(qr, k + t * d, nv / 2);
+                    store16(scores + (h * g + j) * stride + (b - b0) * FAST_BLOCK,
+                            transpose_sum16(part) * scale);
                 }
                 continue;
             }
 #endif
-            const float *k = block_as_float(k_cache, kb + h * block_elems, block_elems, kind, widened);
+            const float *k =
+                block_as_float(k_cache, kb + h * block_elems, block_elems, kind, widened);
             const float ks = quantized ? k_scale[(int64_t)table[b] * hkv + h] : 1.0f;
             for (int j = 0; j < g; j++) {
                 const float *qr = qs + (h * g + j) * d;
                 v16f part[16];
                 for (int t = 0; t < FAST_BLOCK; t++) {
                     v16f acc = load16(qr) * load16(k + t * d);
-                    for (int c = 1; c < nv; c++) acc += load16(qr + 16 * c) * load16(k + t * d + 16 * c);
+                    for (int c = 1; c < nv; c++)
+                        acc += load16(qr + 16 * c) * load16(k + t * d + 16 * c);
                     part[t] = acc;
                 }
                 v16f sc = transpose_sum16(part);
@@ -185,7 +197,8 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
         }
     }
 
-    for (int b = b0; b < b0 + ahead && b < b1; b++) /* in flight during the softmax; the first starts a run */
+    /* in flight during the softmax; the first starts a run */
+    for (int b = b0; b < b0 + ahead && b < b1; b++)
         if (b == b0 || !follows(table, b))
             prefetch_bytes((const char *)v_cache + (int64_t)table[b] * block_bytes, block_bytes);
 
@@ -211,26 +224,31 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
     for (int b = b0; b < b1; b++) {
         const int64_t vb = (int64_t)table[b] * hkv * block_elems;
         if (b + ahead < b1 && !follows(table, b + ahead))
-            prefetch_bytes((const char *)v_cache + (int64_t)table[b + ahead] * block_bytes, block_bytes);
+            prefetch_bytes((const char *)v_cache + (int64_t)table[b + ahead] * block_bytes,
+                           block_bytes);
         const int t0 = b == b0 ? lo : 0;
         const int t1 = b == b1 - 1 ? hi - (b - b0) * FAST_BLOCK : FAST_BLOCK;
         for (int h = h0; h < h1; h++) {
             /* bfloat16 V rows are widened in registers as read; int8 blocks once, into `widened` */
-            const void *v = kind == CACHE_BF16 ? (const void *)((const uint16_t *)v_cache + vb + h * block_elems)
-                                               : (const void *)block_as_float(v_cache, vb + h * block_elems,
-                                                                              block_elems, kind, widened);
+            const void *v = kind == CACHE_BF16
+                                ? (const void *)((const uint16_t *)v_cache + vb + h * block_elems)
+                                : (const void *)block_as_float(v_cache, vb + h * block_elems,
+                                                               block_elems, kind, widened);
             const float vs = quantized ? v_scale[(int64_t)table[b] * hkv + h] : 1.0f;
-            add_weighted_v(acc_all + h * g * d, NULL, scores + h * g * stride + (b - b0) * FAST_BLOCK, stride, 1, v,
+            add_weighted_v(acc_all + h * g * d, NULL,
+                           scores + h * g * stride + (b - b0) * FAST_BLOCK, stride, 1, v,
                            kind == CACHE_BF16, t0, t1, g, nv, quantized, vs);
         }
     }
     if (part != NULL) {
-        memcpy(part + h0 * g * d, acc_all + h0 * g * d, sizeof(float) * (size_t)((h1 - h0) * g * d));
+        memcpy(part + h0 * g * d, acc_all + h0 * g * d,
+               sizeof(float) * (size_t)((h1 - h0) * g * d));
         return;
     }
     for (int r = h0 * g; r < h1 * g; r++) {
         const float c_r = qs[r];
-        for (int c = 0; c < nv; c++) store16_act(out, r * d + 16 * c, load16(acc_all + r * d + 16 * c) * c_r, bf16);
+        for (int c = 0; c < nv; c++)
+            store16_act(out, r * d + 16 * c, load16(acc_all + r * d + 16 * c) * c_r, bf16);
     }
 }
 
@@ -238,13 +256,14 @@ static inline __attribute__((always_inline)) void decode_seq_fast(
  * with `part`): the output is the parts' sums rescaled to the largest maximum score M,
  *   out = sum_p acc_p * exp(m_p - M) / sum_p sum_p * exp(m_p - M),
  * a part without positions counting for nothing. rows: Hq; d: 16 * nv. */
-static void merge_parts(void *out, const float *part, const float *stats, int parts, int rows, const int nv,
-                        const int bf16) {
+static void merge_parts(void *out, const float *part, const float *stats, int parts, int rows,
+                        const int nv, const int bf16) {
     const int d = 16 * nv;
     for (int r = 0; r < rows; r++) {
         float m = -INFINITY, total = 0.0f, w[MAX_PARTS];
         for (int p = 0; p < parts; p++)
-            if (stats[(p * rows + r) * 2 + 1] > 0.0f && stats[(p * rows + r) * 2] > m) m = stats[(p * rows + r) * 2];
+            if (stats[(p * rows + r) * 2 + 1] > 0.0f && stats[(p * rows + r) * 2] > m)
+                m = stats[(p * rows + r) * 2];
         for (int p = 0; p < parts; p++) {
             const float sum = stats[(p * rows + r) * 2 + 1];
             w[p] = sum > 0.0f ? exp_nonpositive(stats[(p * rows + r) * 2] - m) : 0.0f;
@@ -265,15 +284,17 @@ static void merge_parts(void *out, const float *part, const float *stats, int pa
  * serves only float32 queries on a float32 cache; every other case needs the vectorized shapes
  * (block 16, D 64 or 128, G <= 16). Returns 0, or -1 when scratch memory could not be allocated,
  * -2 for a case without a path. */
-int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride, const int64_t *tokens, int n,
-                        const void *k_cache, const void *v_cache, const float *k_scale, const float *v_scale,
-                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d,
-                        int bs, float scale, int window, int max_len, int kind, int bf16, int num_threads) {
+int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                        const int64_t *tokens, int n, const void *k_cache, const void *v_cache,
+                        const float *k_scale, const float *v_scale, const int32_t *block_tables,
+                        int64_t bt_stride, const int32_t *seq_lens, int hkv, int g, int d, int bs,
+                        float scale, int window, int max_len, int kind, int bf16, int num_threads) {
     if (g > 64) return -2;
     if (num_threads < 1) num_threads = 1;
     const int hq = hkv * g;
     const int fast = bs == FAST_BLOCK && g <= FAST_MAX_G && (d == 64 || d == 128);
-    if (!attention_types_served(kind, bf16, k_scale) || (!fast && (kind != CACHE_F32 || bf16))) return -2;
+    if (!attention_types_served(kind, bf16, k_scale) || (!fast && (kind != CACHE_F32 || bf16)))
+        return -2;
     const int64_t act_bytes = bf16 ? 2 : 4;
     /* Work items: one sequence each, all its heads, so its blocks are read front to back. With
      * fewer sequences than threads (a lone request decoding), each context is cut instead into
@@ -283,7 +304,8 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
      * sequences than two a thread, one (sequence, KV head) a work item, so every thread has a
      * share; a head's arithmetic is the same either way. */
     int parts = 1;
-    if (fast && n < num_threads) parts = (num_threads + n - 1) / n < MAX_PARTS ? (num_threads + n - 1) / n : MAX_PARTS;
+    if (fast && n < num_threads)
+        parts = (num_threads + n - 1) / n < MAX_PARTS ? (num_threads + n - 1) / n : MAX_PARTS;
     const int items_per_seq = parts > 1 ? parts : n < 2 * num_threads ? hkv : 1;
     /* per thread: scores of every head (with room for whole first and last blocks), then the
      * scaled queries and the outputs (fast path) or one head's accumulator (generic path); then,
@@ -293,7 +315,8 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
     const size_t part_len = parts > 1 ? (size_t)n * parts * hq * (d + 2) : 0;
     float *scratch = malloc(sizeof(float) * (per_thread * num_threads + part_len));
     if (scratch == NULL) return -1;
-    float *part_sums = scratch + per_thread * num_threads, *part_stats = part_sums + (size_t)n * parts * hq * d;
+    float *part_sums = scratch + per_thread * num_threads,
+          *part_stats = part_sums + (size_t)n * parts * hq * d;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int item = 0; item < n * items_per_seq; item++) {
         const int i = item / items_per_seq, k = item % items_per_seq;
@@ -319,22 +342,24 @@ int sluice_paged_decode(const void *q, int64_t q_stride, void *out, int64_t out_
         const void *qi = (const char *)q + tokens[i] * q_stride * act_bytes;
         void *oi = (char *)out + tokens[i] * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-#define FAST(NV, KIND, BF16)                                                                                        \
-    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, last, hkv, h0, h1, g, NV, KIND, BF16, \
-                    scale, qs, acc, scores, part, stats)
+#define FAST(NV, KIND, BF16)                                                                       \
+    decode_seq_fast(qi, oi, k_cache, v_cache, k_scale, v_scale, table, first, last, hkv, h0, h1,   \
+                    g, NV, KIND, BF16, scale, qs, acc, scores, part, stats)
         if (!fast)
             /* query heads h*G .. h*G+G-1 are consecutive [D] rows of the token's q (and out) */
             for (int h = h0; h < h1; h++)
-                decode_item((const float *)qi + (int64_t)h * g * d, (float *)oi + (int64_t)h * g * d,
-                            (const float *)k_cache, (const float *)v_cache, table, first, len, hkv, h, g, d, bs,
-                            scale, scores, qs);
+                decode_item((const float *)qi + (int64_t)h * g * d,
+                            (float *)oi + (int64_t)h * g * d, (const float *)k_cache,
+                            (const float *)v_cache, table, first, len, hkv, h, g, d, bs, scale,
+                            scores, qs);
         else
             CALL_SPECIALIZED(FAST, d, kind, bf16);
 #undef FAST
     }
     if (parts > 1)
         for (int i = 0; i < n; i++)
-            merge_parts((char *)out + tokens[i] * out_stride * act_bytes, part_sums + (size_t)i * parts * hq * d,
+            merge_parts((char *)out + tokens[i] * out_stride * act_bytes,
+                        part_sums + (size_t)i * parts * hq * d,
                         part_stats + (size_t)i * parts * hq * 2, parts, hq, d / 16, bf16);
     free(scratch);
     return 0;

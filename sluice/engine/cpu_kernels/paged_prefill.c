@@ -40,10 +40,11 @@
  * (`tile_scratch` floats). */
 static inline size_t tile_scratch(int R, int d) { return (size_t)R * (2 * (size_t)d + BLOCK + 3); }
 
-static inline __attribute__((always_inline)) void prefill_tile(
-    const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache, const void *v_cache,
-    const float *k_scale, const float *v_scale, const int32_t *table, int p0, int rows, int window, int hkv, int h0,
-    int nh, int g, const int nv, const int kind, const int bf16, float scale, float *w) {
+static inline __attribute__((always_inline)) void
+prefill_tile(const void *q, int64_t q_stride, void *out, int64_t out_stride, const void *k_cache,
+             const void *v_cache, const float *k_scale, const float *v_scale, const int32_t *table,
+             int p0, int rows, int window, int hkv, int h0, int nh, int g, const int nv,
+             const int kind, const int bf16, float scale, float *w) {
     const int quantized = kind == CACHE_I8;
     const int d = 16 * nv;
     const int64_t block_elems = (int64_t)BLOCK * d;
@@ -51,14 +52,16 @@ static inline __attribute__((always_inline)) void prefill_tile(
      * one vector of rows, not 16 * G); each row is a lane of its own, so padding changes no row */
     const int R = (rows * g + 15) / 16 * 16, nrv = R / 16;
     const size_t per_head = tile_scratch(R, d);
-#define HEAD_STATE(hh)                                                                       \
-    float *qt = w + (size_t)(hh) * per_head, *st = qt + (size_t)d * R, *acc = st + (size_t)BLOCK * R; \
-    float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;                               \
-    uint32_t *qt2 = (uint32_t *)qt;                                                          \
-    (void)qt2;                                                                               \
+#define HEAD_STATE(hh)                                                                             \
+    float *qt = w + (size_t)(hh)*per_head, *st = qt + (size_t)d * R,                               \
+          *acc = st + (size_t)BLOCK * R;                                                           \
+    float *m = acc + (size_t)R * d, *l = m + R, *corr = l + R;                                     \
+    uint32_t *qt2 = (uint32_t *)qt;                                                                \
+    (void)qt2;                                                                                     \
     (void)st
     int qpos[TILE * MAX_G];
-    float kw[BLOCK * 128], vw[BLOCK * 128]; /* a bfloat16 or int8 block of the head widened to floats */
+    /* a bfloat16 or int8 block of the head widened to floats */
+    float kw[BLOCK * 128], vw[BLOCK * 128];
     /* pairs: qt2[e / 2][r] = (q_r[e], q_r[e + 1]) unscaled (the scale multiplies the scores) */
     const int pairs = HAVE_BF16_DOT && kind == CACHE_BF16;
     for (int r = 0; r < R; r++) qpos[r] = p0 + r / g;
@@ -70,9 +73,10 @@ static inline __attribute__((always_inline)) void prefill_tile(
             const int64_t row = (int64_t)i * q_stride + (int64_t)(h * g + j) * d;
             if (pairs)
                 for (int e = 0; e < d; e += 2)
-                    qt2[(size_t)(e / 2) * R + r] = i < rows ? ((const uint16_t *)q)[row + e]
-                                                                  | (uint32_t)((const uint16_t *)q)[row + e + 1] << 16
-                                                            : 0u;
+                    qt2[(size_t)(e / 2) * R + r] =
+                        i < rows ? ((const uint16_t *)q)[row + e] |
+                                       (uint32_t)((const uint16_t *)q)[row + e + 1] << 16
+                                 : 0u;
             else
                 for (int e = 0; e < d; e++)
                     qt[(size_t)e * R + r] = i < rows ? load_act(q, row + e, bf16) * scale : 0.0f;
@@ -85,7 +89,8 @@ static inline __attribute__((always_inline)) void prefill_tile(
     const int first_any = window > 0 ? (p0 - window + 1 > 0 ? p0 - window + 1 : 0) : 0;
     for (int b = first_any / BLOCK; b <= last / BLOCK; b++) {
         const int kp0 = b * BLOCK;
-        const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK; /* keys past the tile's last query are unused */
+        /* keys past the tile's last query are unused */
+        const int nk = last - kp0 + 1 < BLOCK ? last - kp0 + 1 : BLOCK;
         /* causal (and window) mask: only where the block reaches past a row's position or before its window */
         const int masked = kp0 + nk - 1 > p0 || (window > 0 && kp0 <= last - window);
         for (int hh = 0; hh < nh; hh++) {
@@ -106,25 +111,29 @@ static inline __attribute__((always_inline)) void prefill_tile(
                     __m512 part[BLOCK];
                     for (int t = 0; t < BLOCK; t++) part[t] = _mm512_setzero_ps();
                     for (int e2 = 0; e2 < d / 2; e2++) {
-                        const __m512bh qe = (__m512bh)_mm512_loadu_si512(qt2 + (size_t)e2 * R + 16 * rv);
+                        const __m512bh qe =
+                            (__m512bh)_mm512_loadu_si512(qt2 + (size_t)e2 * R + 16 * rv);
                         for (int t = 0; t < BLOCK; t++)
-                            part[t] = _mm512_dpbf16_ps(part[t], qe, (__m512bh)_mm512_set1_epi32((int)k2[t * d / 2 + e2]));
+                            part[t] = _mm512_dpbf16_ps(
+                                part[t], qe, (__m512bh)_mm512_set1_epi32((int)k2[t * d / 2 + e2]));
                     }
                     for (int t = 0; t < BLOCK; t++)
                         if (t < nk) store16(st + (size_t)t * R + 16 * rv, (v16f)part[t] * scale);
                 }
             } else
 #endif
-            for (int rv = 0; rv < nrv; rv++) {
-                v16f part[BLOCK];
-                for (int t = 0; t < BLOCK; t++) part[t] = (v16f){0};
-                for (int e = 0; e < d; e++) {
-                    const v16f qe = load16(qt + (size_t)e * R + 16 * rv);
-                    for (int t = 0; t < BLOCK; t++) part[t] += qe * k[t * d + e];
+                for (int rv = 0; rv < nrv; rv++) {
+                    v16f part[BLOCK];
+                    for (int t = 0; t < BLOCK; t++) part[t] = (v16f){0};
+                    for (int e = 0; e < d; e++) {
+                        const v16f qe = load16(qt + (size_t)e * R + 16 * rv);
+                        for (int t = 0; t < BLOCK; t++) part[t] += qe * k[t * d + e];
+                    }
+                    for (int t = 0; t < BLOCK; t++)
+                        if (t < nk)
+                            store16(st + (size_t)t * R + 16 * rv,
+                                    quantized ? part[t] * ks : part[t]);
                 }
-                for (int t = 0; t < BLOCK; t++)
-                    if (t < nk) store16(st + (size_t)t * R + 16 * rv, quantized ? part[t] * ks : part[t]);
-            }
             if (masked)
                 for (int t = 0; t < nk; t++)
                     for (int r = 0; r < R; r++)
@@ -177,10 +186,11 @@ static inline __attribute__((always_inline)) void prefill_tile(
  * queries read float32 or int8 caches, bfloat16 ones bfloat16 or int8 caches). Returns 0; -1 when
  * scratch memory could not be allocated; -2 for a case without a path (block size not 16, D not
  * 64 or 128, G over 16, another pairing of types). */
-int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out_stride, const int64_t *starts,
-                         const int32_t *q_lens, const int32_t *seq_lens, int n, const void *k_cache,
-                         const void *v_cache, const float *k_scale, const float *v_scale, const int32_t *block_tables,
-                         int64_t bt_stride, int hkv, int g, int d, int bs, float scale, int window, int kind, int bf16,
+int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                         const int64_t *starts, const int32_t *q_lens, const int32_t *seq_lens,
+                         int n, const void *k_cache, const void *v_cache, const float *k_scale,
+                         const float *v_scale, const int32_t *block_tables, int64_t bt_stride,
+                         int hkv, int g, int d, int bs, float scale, int window, int kind, int bf16,
                          int num_threads) {
     if (bs != BLOCK || g > MAX_G || (d != 64 && d != 128)) return -2;
     if (!attention_types_served(kind, bf16, k_scale)) return -2;
@@ -189,8 +199,10 @@ int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out
     /* work items: a decode (a chunk of one position) is one item with all its heads; a longer
      * chunk is an item per (tile of TILE positions, head) */
     int64_t count = 0;
-    for (int i = 0; i < n; i++) count += q_lens[i] == 1 ? 1 : (int64_t)(q_lens[i] + TILE - 1) / TILE * hkv;
-    int32_t(*items)[3] = malloc(sizeof(*items) * (size_t)(count > 0 ? count : 1)); /* chunk, tile, head */
+    for (int i = 0; i < n; i++)
+        count += q_lens[i] == 1 ? 1 : (int64_t)(q_lens[i] + TILE - 1) / TILE * hkv;
+    /* chunk, tile, head */
+    int32_t(*items)[3] = malloc(sizeof(*items) * (size_t)(count > 0 ? count : 1));
     if (items == NULL) return -1;
     int64_t at = 0;
     for (int i = 0; i < n; i++) {
@@ -206,7 +218,8 @@ int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out
             }
     }
     const int tile_rows = TILE * g, decode_rows = hkv * ((g + 15) / 16 * 16);
-    const size_t per_thread = tile_scratch(1, d) * (size_t)(tile_rows > decode_rows ? tile_rows : decode_rows);
+    const size_t per_thread =
+        tile_scratch(1, d) * (size_t)(tile_rows > decode_rows ? tile_rows : decode_rows);
     float *scratch = malloc(sizeof(float) * per_thread * num_threads);
     if (scratch == NULL) {
         free(items);
@@ -223,9 +236,9 @@ int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out
         const void *qi = (const char *)q + (starts[i] + (int64_t)ti * TILE) * q_stride * act_bytes;
         void *oi = (char *)out + (starts[i] + (int64_t)ti * TILE) * out_stride * act_bytes;
         const int32_t *table = block_tables + (int64_t)i * bt_stride;
-#define TILE_OF(NV, KIND, BF16)                                                                                    \
-    prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0, rows, window, hkv, h0, \
-                 nh, g, NV, KIND, BF16, scale, w)
+#define TILE_OF(NV, KIND, BF16)                                                                    \
+    prefill_tile(qi, q_stride, oi, out_stride, k_cache, v_cache, k_scale, v_scale, table, p0,      \
+                 rows, window, hkv, h0, nh, g, NV, KIND, BF16, scale, w)
         CALL_SPECIALIZED(TILE_OF, d, kind, bf16);
 #undef TILE_OF
     }

@@ -24,7 +24,8 @@
  * it (libm's expf is a scalar call). Range reduction by ln 2 split in two parts, then the Cephes
  * degree-6 polynomial on [-ln2/2, ln2/2]: relative error ~2e-7, like expf. */
 static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x; /* exp(-87) is still a normal float; smaller weights are 0 anyway */
+    /* exp(-87) is still a normal float; smaller weights are 0 anyway */
+    x = x < -87.0f ? -87.0f : x;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -73,9 +74,12 @@ static inline v16f transpose_sum16(const v16f a[16]) {
     const v16i l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     const v16i h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     v16f b[8], c[4], e[2];
-    for (int i = 0; i < 8; i++) b[i] = pair_sum(a[2 * i], a[2 * i + 1], l1, h1);  /* rows 2i, 2i+1: 8 lanes each */
-    for (int i = 0; i < 4; i++) c[i] = pair_sum(b[2 * i], b[2 * i + 1], l2, h2);  /* 4 rows, 4 lanes each */
-    for (int i = 0; i < 2; i++) e[i] = pair_sum(c[2 * i], c[2 * i + 1], l3, h3);  /* 8 rows, 2 lanes each */
+    for (int i = 0; i < 8; i++)
+        b[i] = pair_sum(a[2 * i], a[2 * i + 1], l1, h1); /* rows 2i, 2i+1: 8 lanes each */
+    for (int i = 0; i < 4; i++)
+        c[i] = pair_sum(b[2 * i], b[2 * i + 1], l2, h2); /* 4 rows, 4 lanes each */
+    for (int i = 0; i < 2; i++)
+        e[i] = pair_sum(c[2 * i], c[2 * i + 1], l3, h3); /* 8 rows, 2 lanes each */
     return pair_sum(e[0], e[1], l4, h4);
 }
 
@@ -145,7 +149,8 @@ static inline void narrow_n(uint16_t *dst, const float *src, int n) {
 static inline v16f dot_bf16_partial(const uint16_t *a, const uint16_t *b, const int n) {
     __m512 acc = _mm512_setzero_ps();
     for (int i = 0; i < n; i++)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + 32 * i), (__m512bh)_mm512_loadu_si512(b + 32 * i));
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + 32 * i),
+                               (__m512bh)_mm512_loadu_si512(b + 32 * i));
     return (v16f)acc;
 }
 
@@ -159,7 +164,8 @@ static inline float load_act(const void *p, int64_t i, const int bf16) {
 
 /* A matmul tile's row of float32 sums into out[0 .. n-1]: plus the bias (when not NULL), then
  * rounded once to bfloat16 for a bfloat16 output. */
-static inline void store_row_act(void *out, const float *sums, int n, const void *bias, const int bf16) {
+static inline void store_row_act(void *out, const float *sums, int n, const void *bias,
+                                 const int bf16) {
     for (int c = 0; c < n; c++) {
         const float y = bias == NULL ? sums[c] : sums[c] + load_act(bias, c, bf16);
         if (bf16)
@@ -183,28 +189,31 @@ static inline void store16_act(void *p, int64_t i, v16f x, const int bf16) {
 /* What a K/V cache holds. */
 enum { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_I8 = 2 };
 
-static inline int64_t cache_elem_bytes(const int kind) { return kind == CACHE_F32 ? 4 : kind == CACHE_BF16 ? 2 : 1; }
+static inline int64_t cache_elem_bytes(const int kind) {
+    return kind == CACHE_F32 ? 4 : kind == CACHE_BF16 ? 2 : 1;
+}
 
 /* The query and cache types the attention kernels pair (the table in attention_args.py): float32
  * queries on a float32 or int8 cache, bfloat16 ones on a bfloat16 or int8 cache; scales come with
  * an int8 cache and only with it. */
 static inline int attention_types_served(int kind, int bf16, const float *k_scale) {
-    const int pairs = kind == CACHE_I8 || (kind == CACHE_F32 && !bf16) || (kind == CACHE_BF16 && bf16);
+    const int pairs =
+        kind == CACHE_I8 || (kind == CACHE_F32 && !bf16) || (kind == CACHE_BF16 && bf16);
     return pairs && (kind == CACHE_I8) == (k_scale != NULL);
 }
 
 /* CALL(NV, KIND, BF16) for head size d (64 -> NV 4, 128 -> NV 8) and the served types, every
  * argument a constant: the compiler makes one specialized copy of the kernel per case. */
-#define CALL_SPECIALIZED(CALL, d, kind, bf16)                                   \
-    do {                                                                        \
-        if ((kind) == CACHE_F32)                                                \
-            (d) == 64 ? CALL(4, CACHE_F32, 0) : CALL(8, CACHE_F32, 0);          \
-        else if ((kind) == CACHE_BF16)                                          \
-            (d) == 64 ? CALL(4, CACHE_BF16, 1) : CALL(8, CACHE_BF16, 1);        \
-        else if (bf16)                                                          \
-            (d) == 64 ? CALL(4, CACHE_I8, 1) : CALL(8, CACHE_I8, 1);            \
-        else                                                                    \
-            (d) == 64 ? CALL(4, CACHE_I8, 0) : CALL(8, CACHE_I8, 0);            \
+#define CALL_SPECIALIZED(CALL, d, kind, bf16)                                                      \
+    do {                                                                                           \
+        if ((kind) == CACHE_F32)                                                                   \
+            (d) == 64 ? CALL(4, CACHE_F32, 0) : CALL(8, CACHE_F32, 0);                             \
+        else if ((kind) == CACHE_BF16)                                                             \
+            (d) == 64 ? CALL(4, CACHE_BF16, 1) : CALL(8, CACHE_BF16, 1);                           \
+        else if (bf16)                                                                             \
+            (d) == 64 ? CALL(4, CACHE_I8, 1) : CALL(8, CACHE_I8, 1);                               \
+        else                                                                                       \
+            (d) == 64 ? CALL(4, CACHE_I8, 0) : CALL(8, CACHE_I8, 0);                               \
     } while (0)
 
 /* The attention output's weighted sum of V, for n rows of outputs (query heads or query
@@ -215,9 +224,10 @@ static inline int attention_types_served(int kind, int bf16, const float *k_scal
  * or as floats. Rows go in groups whose sums stay in registers, each V row read once for a whole
  * group: read again for every row, loading V rather than multiplying bounded the loop. */
 #define V_GROUP_ROWS(nv) ((nv) == 4 ? 4 : 2) /* group * nv sums + nv V rows fit in 32 registers */
-static inline __attribute__((always_inline)) void add_weighted_v_group(
-    float *acc, const float *corr, const float *w, int64_t w_row, int64_t w_key, const void *v, const int v_bf16,
-    int t0, int t1, const int nq, const int nv, const int scaled, float vs) {
+static inline __attribute__((always_inline)) void
+add_weighted_v_group(float *acc, const float *corr, const float *w, int64_t w_row, int64_t w_key,
+                     const void *v, const int v_bf16, int t0, int t1, const int nq, const int nv,
+                     const int scaled, float vs) {
     const int d = 16 * nv;
     v16f o[4][8];
     for (int j = 0; j < nq; j++)
@@ -228,7 +238,8 @@ static inline __attribute__((always_inline)) void add_weighted_v_group(
     for (int t = t0; t < t1; t++) {
         v16f vt[8];
         for (int c = 0; c < nv; c++)
-            vt[c] = v_bf16 ? widen16((const uint16_t *)v + t * d + 16 * c) : load16((const float *)v + t * d + 16 * c);
+            vt[c] = v_bf16 ? widen16((const uint16_t *)v + t * d + 16 * c)
+                           : load16((const float *)v + t * d + 16 * c);
         for (int j = 0; j < nq; j++) {
             const float wt = scaled ? w[j * w_row + t * w_key] * vs : w[j * w_row + t * w_key];
             for (int c = 0; c < nv; c++) o[j][c] += wt * vt[c];
@@ -238,18 +249,24 @@ static inline __attribute__((always_inline)) void add_weighted_v_group(
         for (int c = 0; c < nv; c++) store16(acc + (size_t)j * d + 16 * c, o[j][c]);
 }
 
-static inline __attribute__((always_inline)) void add_weighted_v(
-    float *acc, const float *corr, const float *w, int64_t w_row, int64_t w_key, const void *v, const int v_bf16,
-    int t0, int t1, int n, const int nv, const int scaled, float vs) {
+static inline __attribute__((always_inline)) void
+add_weighted_v(float *acc, const float *corr, const float *w, int64_t w_row, int64_t w_key,
+               const void *v, const int v_bf16, int t0, int t1, int n, const int nv,
+               const int scaled, float vs) {
     for (int j = 0; j < n;) {
         const int nq = n - j < V_GROUP_ROWS(nv) ? n - j : V_GROUP_ROWS(nv);
         float *a = acc + (size_t)j * 16 * nv;
         const float *cj = corr == NULL ? NULL : corr + j, *wj = w + j * w_row;
-#define GROUP(NQ) add_weighted_v_group(a, cj, wj, w_row, w_key, v, v_bf16, t0, t1, NQ, nv, scaled, vs)
-        if (nq == 1) GROUP(1); /* a constant group size per call: the sums stay in registers */
-        else if (nq == 2) GROUP(2);
-        else if (nq == 3) GROUP(3);
-        else GROUP(4);
+#define GROUP(NQ)                                                                                  \
+    add_weighted_v_group(a, cj, wj, w_row, w_key, v, v_bf16, t0, t1, NQ, nv, scaled, vs)
+        if (nq == 1)
+            GROUP(1); /* a constant group size per call: the sums stay in registers */
+        else if (nq == 2)
+            GROUP(2);
+        else if (nq == 3)
+            GROUP(3);
+        else
+            GROUP(4);
 #undef GROUP
         j += nq;
     }
@@ -258,8 +275,8 @@ static inline __attribute__((always_inline)) void add_weighted_v(
 /* One block of one head as floats: the cache itself when float32; a bfloat16 or int8 block
  * widened into `buf` (once, then read by every query of the head; an int8 block's scale is applied
  * by the caller). */
-static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems, const int kind,
-                                          float *restrict buf) {
+static inline const float *block_as_float(const void *cache, int64_t idx, int64_t elems,
+                                          const int kind, float *restrict buf) {
     if (kind == CACHE_F32) return (const float *)cache + idx;
     if (kind == CACHE_BF16) {
         const uint16_t *src = (const uint16_t *)cache + idx;

@@ -1,9 +1,10 @@
 """bench/gpu.py's smoke mode: every section on the CPU with tiny shapes, kernels in Triton's
 interpreter. The GPU run happens once, unattended; this keeps it from dying on a typo.
 
-Runs the script in a subprocess (it sets TRITON_INTERPRET itself and must start clean), then reads
-its JSON. A second run points it at a deliberately broken kernel package to show that its checks
-fail wrong kernels, and that a lost CUDA context (simulated) hands the rest to a child process.
+Runs `python -m bench.gpu` in a subprocess (it sets TRITON_INTERPRET itself and must start
+clean), then reads its JSON. A second run points it at a deliberately broken kernel package to
+show that its checks fail wrong kernels, and that a lost CUDA context (simulated) hands the rest to
+a child process.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "bench" / "gpu.py"
 KERNELS = ROOT / "sluice" / "engine" / "kernels"
 UNITS = ("norm", "activation", "rotary", "kv_cache", "paged_attention", "sampling", "int8_linear")
 
@@ -29,7 +29,7 @@ def run_bench(
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out), "--seed", "1234", *args],
+        [sys.executable, "-m", "bench.gpu", "--smoke", "--json", str(out), "--seed", "1234", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -11,7 +11,8 @@ import openai
 try:  # the HTTP library the openai client is built on (httpx2 in its newer releases)
     import httpx2 as httpx
 except ImportError:
-    import httpx  # type: ignore[no-redef]
+    # (not installed beside a newer openai: then mypy cannot find it, hence unused-ignore)
+    import httpx  # type: ignore[no-redef, import-not-found, unused-ignore]
 
 
 class _Caught(Exception):

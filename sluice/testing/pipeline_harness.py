@@ -17,6 +17,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -151,6 +152,7 @@ def fifty_requests() -> list[dict]:
     out = []
     for i in range(50):
         topic = TOPICS[i % len(TOPICS)]
+        fields: dict[str, Any]
         if i % 3 == 0:
             fields = {
                 "messages": [{"role": "user", "content": f"Write one sentence about {topic}."}]
@@ -351,6 +353,7 @@ class Watcher:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
+        assert self._task is not None  # started by __aenter__
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         await self._consumer.stop()
@@ -370,6 +373,7 @@ class Watcher:
     async def wait_for(self, condition, timeout: float, what: str = "condition") -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        assert self._task is not None, "use the Watcher in `async with`"
         while not condition(self.streams):
             if self._task.done():
                 self._task.result()
