@@ -6,7 +6,19 @@ import argparse
 import sys
 
 from sluice import __version__
-from sluice.cli import bench, chat, demo, generate, produce, replay, run, schema, stack, tail
+from sluice.cli import (
+    bench,
+    chat,
+    demo,
+    generate,
+    models,
+    produce,
+    replay,
+    run,
+    schema,
+    stack,
+    tail,
+)
 from sluice.cli.config_file import ConfigError, defaults_from_file
 from sluice.cli.kafka_security_flags import export_kafka_security
 from sluice.cli.logs import setup_logging
@@ -27,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "collectors",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (stack, generate, run, produce, tail, chat, demo, replay, schema, bench):
+    for module in (stack, generate, run, produce, tail, chat, demo, replay, schema, bench, models):
         module.register(sub)
     return parser
 

