@@ -112,6 +112,8 @@ class LayerByLayer(Forward):
         return self.model.forward_embedded(self.embed(inputs.token_ids), plan, self.kv_caches)
 
     def logits(self, inputs: StepInputs, sample: Sequence[bool]) -> torch.Tensor:
+        # the whole step runs whether or not a sequence samples: its tokens' K and V are written
+        hidden = self.hidden(inputs)
         last, offset = [], 0
         for n, s in zip(inputs.query_lens, sample):
             offset += n
@@ -119,9 +121,8 @@ class LayerByLayer(Forward):
                 last.append(offset - 1)
         if not last:
             return torch.empty(
-                0, self.model.config.vocab_size, dtype=torch.float32, device=self.model.device
+                0, self.model.config.vocab_size, dtype=torch.float32, device=hidden.device
             )
-        hidden = self.hidden(inputs)
         rows = hidden.index_select(0, torch.tensor(last, device=hidden.device))
         return self.model.compute_logits(rows)
 

@@ -93,6 +93,17 @@ def test_batched_greedy_equals_transformers_alone(name, tmp_path):
     assert results[-2].usage.cached_tokens > 0
 
 
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_a_lone_prompt_in_chunks_that_sample_nothing_gives_transformers_tokens(tmp_path, kernels):
+    """A prompt longer than the step's budget alone: its first steps sample no token, and still
+    write its K and V for the chunks after them."""
+    hf = save_tiny("llama", tmp_path)
+    engine = tiny_engine(tmp_path, max_num_batched_tokens=8, kernels=kernels)
+    prompt = [(7 * j) % 97 + 3 for j in range(30)]
+    result = engine.generate(prompt_token_ids=[prompt], params=GREEDY_32)[0]
+    assert result.token_ids == hf_greedy(hf, prompt, 32)
+
+
 def test_prefix_cache_reuse_and_tenant_salt(tmp_path):
     save_tiny("llama", tmp_path, max_position_embeddings=1024)
     g = torch.Generator().manual_seed(1)
