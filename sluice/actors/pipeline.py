@@ -19,9 +19,10 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.actors.answered import AnsweredInputs
 from sluice.actors.failover import RunnerFailover
@@ -34,7 +35,17 @@ from sluice.actors.messages import StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import ProgressLog
 from sluice.actors.reply_topics import ReplyTopics
-from sluice.actors.roles import ROLES, RUNNER_ROLES
+from sluice.actors.roles import (
+    DECODE,
+    PREFILL,
+    ROLES,
+    RUNNER,
+    SCHEDULER,
+    STREAMER,
+    TOKENIZER,
+    Role,
+    role_named,
+)
 from sluice.actors.runner_actor import RunnerActor
 from sluice.actors.runtime import ActorFailed, ActorSystem, in_passing_thread
 from sluice.actors.scheduler_actor import SchedulerActor, routing_key
@@ -161,13 +172,10 @@ class Pipeline:
     """One process's share of the pipeline: its actors, its consumer and its producer."""
 
     def __init__(self, config: PipelineConfig, role: str | None = None):
-        if role is not None and role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
         self.config = config
-        self.role = role
-        self.serves = role is None or role in RUNNER_ROLES  # holds an engine
+        self.role = role_named(role)
         self.metrics = Metrics()
-        self.system = ActorSystem(f"sluice-{role or 'all'}", drain_timeout=config.drain_timeout_s)
+        self.system = ActorSystem(f"sluice-{self.role}", drain_timeout=config.drain_timeout_s)
         self.producer: EventProducer | None = None
         # Where the actors write: the producer, or (exactly-once) one transaction per partition.
         self.output: EventProducer | PartitionTransactions | None = None
@@ -197,18 +205,18 @@ class Pipeline:
         if c.delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}, not {c.delivery!r}")
         exactly_once = c.delivery == EXACTLY_ONCE
-        if exactly_once and self.role is not None:
+        if exactly_once and self.role.alone:
             raise ValueError(
                 "--delivery exactly-once runs all roles in one process for now (not with --role)"
             )
         if c.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {c.routing!r}")
-        if self.role in ("prefill", "decode") and not c.routed:
+        if self.role.needs_routing and not c.routed:
             raise ValueError(
                 f"--role {self.role} needs --routing kv or round-robin (runners of their own "
                 "topics, the scheduler choosing among them), given to the scheduler too"
             )
-        if c.routed and self.role in RUNNER_ROLES and not TOPIC_NAME.fullmatch(c.runner_id):
+        if c.routed and self.role.is_runner and not TOPIC_NAME.fullmatch(c.runner_id):
             raise ValueError(
                 f"--runner-id {c.runner_id!r}: with --routing {c.routing} it names the runner's "
                 "work topic, so it takes letters, digits, '.', '_' and '-' only"
@@ -230,39 +238,39 @@ class Pipeline:
                 t.dlq: 1,
                 **(
                     {t.tokenized: c.partitions, t.work: c.partitions, t.steps: c.partitions}
-                    if self.role
+                    if self.role.alone
                     else {}
                 ),
             },
         )
-        if self.serves:
+        if self.role.holds_engine:
             await ensure_topics(
                 c.bootstrap_servers, {t.progress: c.partitions}, config=CHANGELOG_CONFIG
             )
-        if c.routed and self.role in ("scheduler", *RUNNER_ROLES):
+        if c.routed and (self.role.routes or self.role.is_runner):
             await ensure_topics(
                 c.bootstrap_servers, {t.kv_events: c.partitions}, config=KV_EVENTS_CONFIG
             )
-        if c.routed and self.role in RUNNER_ROLES:
+        if c.routed and self.role.is_runner:
             await ensure_topics(c.bootstrap_servers, {t.runner_work(c.runner_id): c.partitions})
         if c.metrics_port is not None:
             self.ops = OpsServer(self.metrics.registry, self.readiness, self.alive)
             port = self.ops.start(c.metrics_port)
             log.info("metrics on :%d/metrics, probes on /healthz and /readyz", port)
         self.producer = EventProducer(
-            bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role or 'all'}"
+            bootstrap_servers=c.bootstrap_servers, client_id=f"sluice-{self.role}"
         )
         await self.producer.start()
         self._broker_answered_at = time.monotonic()
         self._broker_watch = asyncio.ensure_future(self._watch_broker())
-        group = c.group if self.role is None else f"{c.group}-{self.role}"
-        if c.routed and self.role in RUNNER_ROLES:
+        group = f"{c.group}-{self.role}" if self.role.alone else c.group
+        if c.routed and self.role.is_runner:
             group = f"{group}-{c.runner_id}"  # its own topic: nobody else's joins disturb it
         self.group = group
         self.output = self.producer
         if exactly_once:
             self.output = PartitionTransactions(c.bootstrap_servers, app_id=c.group, group_id=group)
-        if c.redis_url and self.role in (None, "tokenizer", "streamer"):
+        if c.redis_url and self.role.keeps_sessions:
             self.sessions = SessionStore(
                 c.redis_url, ttl_s=c.session_ttl_s, outage_wait_s=c.redis_outage_wait_s
             )
@@ -274,7 +282,7 @@ class Pipeline:
                 c.redis_url,
                 "available" if ok else "UNREACHABLE: serving without prefix reuse across turns",
             )
-        if self.serves:
+        if self.role.holds_engine:
             # What the requests in flight had published, before any of them is read again.
             self.progress = ProgressLog(Changelog(c.bootstrap_servers, t.progress, self.output))
             await self.progress.start()
@@ -283,7 +291,7 @@ class Pipeline:
                 # at least once an answer sent twice is allowed, and dropped by consumers.
                 self.answered = AnsweredInputs(self.progress.changelog)
                 self.answered.reindex()
-        if self.role in (None, "tokenizer"):
+        if self.role.finds_reply_topics:
             self.reply_topics = ReplyTopics(
                 c.bootstrap_servers,
                 t.replies,
@@ -291,8 +299,16 @@ class Pipeline:
                 create=c.create_reply_topics,
                 partitions=c.partitions,
             )
-        builder = getattr(self, f"_build_{self.role or 'all'}")
-        first, topic, decode = await builder()
+        # the role's actors: (the first, the topic it reads, how it decodes that topic's records)
+        builders: dict[Role, Callable[[], Awaitable[Any]]] = {
+            TOKENIZER: self._build_tokenizer,
+            SCHEDULER: self._build_scheduler,
+            RUNNER: partial(self._runner, "unified"),
+            PREFILL: partial(self._runner, "prefill"),
+            DECODE: partial(self._runner, "decode"),
+            STREAMER: self._build_streamer,
+        }
+        first, topic, decode = await builders.get(self.role, self._build_all)()
         transactions = self.output if isinstance(self.output, PartitionTransactions) else None
         per_tenant = c.tenant_topics and topic == t.requests
         self.consumer = RequestConsumer(
@@ -333,7 +349,7 @@ class Pipeline:
         log.info(
             "pipeline %s up: reading %s as group %s, max_in_flight %d, tokens to %s, "
             "dead letters to %s, delivery %s, commit every %d ms",
-            self.role or "all roles",
+            self.role if self.role.alone else "all roles",
             topic,
             group,
             c.max_in_flight,
@@ -349,7 +365,7 @@ class Pipeline:
         """What /readyz checks: each must hold for the process to take requests."""
         answered = self._broker_answered_at
         return {
-            "model_loaded": not self.serves or self.engine is not None,
+            "model_loaded": not self.role.holds_engine or self.engine is not None,
             "consumer_assigned": self.consumer is not None and bool(self.consumer.assignment()),
             "broker_reachable": answered is not None
             and time.monotonic() - answered < BROKER_FRESH_S,
@@ -522,15 +538,6 @@ class Pipeline:
                     await asyncio.sleep(1.0)
         finally:
             await tail.stop()
-
-    async def _build_runner(self):
-        return await self._runner("unified")
-
-    async def _build_prefill(self):
-        return await self._runner("prefill")
-
-    async def _build_decode(self):
-        return await self._runner("decode")
 
     async def _runner(self, kind: str):
         """A runner: "unified" serves requests whole; "prefill" passes each on to a "decode"
