@@ -13,13 +13,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluice.connectors.topics import delete_topics_with_prefix
+from sluice.testing.pipeline_harness import scrape
 
 ROOT = Path(__file__).resolve().parents[1]
 LOGS = ROOT / ".sluice" / "bench-logs"
@@ -42,19 +42,6 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(values) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(values) - 1)
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
-
-
-def metrics(port: int) -> dict[str, list[tuple[dict, float]]]:
-    """A process's Prometheus samples: name -> [(labels, value), ...]."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples: dict[str, list] = defaultdict(list)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name].append((sample.labels, sample.value))
-    return samples
 
 
 def total(samples: dict[str, list], name: str) -> float:
@@ -107,7 +94,7 @@ class Cluster:
         """Until the scheduler has heard `count` runners' KV events."""
         deadline = time.monotonic() + timeout
         port = self.processes[scheduler].port
-        while total(metrics(port), "sluice_runners_live") < count:
+        while total(scrape(port), "sluice_runners_live") < count:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{scheduler} did not hear {count} runners")
             await asyncio.sleep(0.3)

@@ -195,6 +195,22 @@ class Streams:
         return "".join(by_seq[s]["text"] for s in sorted(by_seq))
 
 
+def output_consumer(
+    bootstrap: str, prefix: str, isolation_level: str = "read_uncommitted"
+) -> AIOKafkaConsumer:
+    """A consumer of the pipeline's tokens and dead-letter topics from their start, committing
+    nothing."""
+    return AIOKafkaConsumer(
+        f"{prefix}.tokens",
+        f"{prefix}.dlq",
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        metadata_max_age_ms=1000,
+        isolation_level=isolation_level,
+    )
+
+
 async def collect(
     bootstrap: str,
     prefix: str,
@@ -206,14 +222,7 @@ async def collect(
     """Read the tokens and dead-letter topics until every expected request has a final or error
     event and `dlq_expected` dead letters arrived."""
     streams = streams or Streams()
-    consumer = AIOKafkaConsumer(
-        f"{prefix}.tokens",
-        f"{prefix}.dlq",
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        metadata_max_age_ms=1000,
-    )
+    consumer = output_consumer(bootstrap, prefix)
     await consumer.start()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -336,15 +345,7 @@ class Watcher:
         self.bootstrap = bootstrap
         self.streams = Streams()
         self.records = 0
-        self._consumer = AIOKafkaConsumer(
-            f"{prefix}.tokens",
-            f"{prefix}.dlq",
-            bootstrap_servers=bootstrap,
-            auto_offset_reset="earliest",
-            enable_auto_commit=False,
-            metadata_max_age_ms=1000,
-            isolation_level=isolation_level,
-        )
+        self._consumer = output_consumer(bootstrap, prefix, isolation_level)
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> Watcher:
