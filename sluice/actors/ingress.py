@@ -19,6 +19,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 from pydantic import BaseModel, ValidationError
 
 from sluice.actors.answered import AnsweredInputs
+from sluice.actors.delivery import Delivery
 from sluice.actors.messages import Envelope, Work
 from sluice.actors.metrics import Metrics
 from sluice.actors.reply_topics import ReplyTopics
@@ -132,24 +133,22 @@ class Ingress:
                     self._spawn(self._publish_error(record, event, body.reply_topic, openai))
                     return
                 body = body.model_copy(update={"tenant": tenant})
-        ack = self._acker(record, _request_id_of(body))
-        envelope = Envelope(
-            body,
-            ack,
-            received_at=time.time(),
-            published_at=record.timestamp / 1000 if record.timestamp >= 0 else None,
+        delivery = Delivery(
+            self._finished,
             origin=origin,
             offset=record.offset,
+            received_at=time.time(),
+            published_at=record.timestamp / 1000 if record.timestamp >= 0 else None,
+            record=record,
+            request_id=_request_id_of(body),
         )
-        await self.deliver(envelope)
+        await self.deliver(Envelope(body, delivery))
 
-    def _acker(self, record: ConsumerRecord, request_id: str | None) -> Callable[[], None]:
-        def ack() -> None:
-            if self.consumer.done(record) and request_id is not None and self.on_committed:
-                tp = TopicPartition(record.topic, record.partition)
-                self._acked.append((tp, record.offset, request_id))
-
-        return ack
+    def _finished(self, delivery: Delivery) -> None:
+        """A record's output is durable: it may be committed (and, once it is, reported)."""
+        if self.consumer.done(delivery.record) and delivery.request_id is not None:
+            if self.on_committed is not None and delivery.origin is not None:
+                self._acked.append((delivery.origin, delivery.record.offset, delivery.request_id))
 
     async def _report_committed(self, committed: dict[TopicPartition, int]) -> None:
         """Tell `on_committed` which acknowledged requests a commit has now passed."""

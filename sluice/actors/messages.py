@@ -1,29 +1,22 @@
 """Messages between the actors. In one process they travel through mailboxes; with one role per
 process they travel as JSON on internal Kafka topics, so each is a pydantic model.
 
-Every message carries an `ack`: the callback that marks the Kafka record it came from as done.
-It travels with the work until the work's output crosses a Kafka boundary (the final event on the
-tokens topic, or an internal topic in role mode), and only then is called: an input offset is
+Every message travels in an `Envelope` with the `Delivery` of the Kafka record it came from. The
+delivery goes with the work until the work's output crosses a Kafka boundary (the final event on
+the tokens topic, or an internal topic in role mode), and only then is done: an input offset is
 committed only after its output is safely written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from aiokafka.structs import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
 
+from sluice.actors.delivery import Delivery
 from sluice.schemas import ErrorEvent, GenerateRequest
 from sluice.schemas.events import Provenance, Timings, TokenLogprob, Usage
-
-Ack = Callable[[], None]
-
-
-def no_ack() -> None:
-    """For work that did not come from a Kafka record (tests, in-process callers)."""
 
 
 class _Internal(BaseModel):
@@ -113,28 +106,16 @@ Derived = TypeVar("Derived", bound=Work)
 
 @dataclass
 class Envelope(Generic[Body]):
-    """A message and the acknowledgement owed once its output is written. Typed by its body
-    (`Envelope[StepMessage]`): each actor knows which kind of work it is sent."""
+    """A message and the delivery of the input it follows from (`delivery.py`: done once its
+    output is written). Typed by its body (`Envelope[StepMessage]`): each actor knows which kind
+    of work it is sent."""
 
     body: Body
-    ack: Ack = field(default=no_ack)
-    received_at: float = 0.0
-    published_at: float | None = None  # the input record's timestamp (when the client sent it)
-    # The input partition the work came from: with exactly-once delivery, what it causes to be
-    # written goes into that partition's transaction.
-    origin: TopicPartition | None = None
-    offset: int | None = None  # of the input record in `origin`: where it stands in its order
+    delivery: Delivery = field(default_factory=Delivery)
     # Records to write in one piece with this message's event (exactly-once: its request's
     # progress records, so that both commit in the same transaction): (topic, key, value).
     writes: list[tuple[str, str, bytes | None]] = field(default_factory=list)
 
-    def derive(self, body: Derived, ack: Ack | None = None) -> Envelope[Derived]:
-        """An envelope for work that follows from this one (same origin and arrival time)."""
-        return Envelope(
-            body,
-            self.ack if ack is None else ack,
-            self.received_at,
-            self.published_at,
-            self.origin,
-            self.offset,
-        )
+    def derive(self, body: Derived) -> Envelope[Derived]:
+        """An envelope for work that follows from this one (the same input's delivery)."""
+        return Envelope(body, self.delivery)

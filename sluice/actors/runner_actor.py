@@ -24,14 +24,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from aiokafka.structs import TopicPartition
-
 from sluice.actors.conversation import remembered_turn
+from sluice.actors.delivery import Delivery
 from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, SnapshotWanted, StepResult
 from sluice.actors.errors import error_step, wire_code
 from sluice.actors.kv_events import KvEventPublisher, RunnerLoad
 from sluice.actors.kv_handoff import KvFiles, PrefillHandoff
-from sluice.actors.messages import Ack, Envelope, StepMessage, TokenizedRequest, no_ack
+from sluice.actors.messages import Envelope, StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
@@ -75,7 +74,7 @@ def token_text(raw: bytes) -> str:
 @dataclass
 class _Tracked:
     work: TokenizedRequest
-    ack: Ack
+    delivery: Delivery  # of its input record: done with its final message
     submitted_at: float  # wall clock, when handed to the engine thread
     seq: int = 0
     texts: dict[int, str] = field(default_factory=dict)
@@ -83,17 +82,13 @@ class _Tracked:
     finals: dict[int, StepOutput] = field(default_factory=dict)
     expired: bool = False  # aborted at its deadline
     record: Progress | None = None  # what the progress log holds of it (with a progress log)
-    origin: TopicPartition | None = None  # its input partition (see Envelope.origin)
-    also_ack: list[Ack] = field(default_factory=list)  # copies of it delivered while it ran
     # Every logprob entry, per completion, when its one event must carry them (no streaming).
     logprobs: dict[int, list[TokenLogprob]] | None = None
     passing_on: bool = False  # admitted to be passed on to a decode runner after its first token
 
-    def ack_all(self) -> None:
-        """Acknowledge the request, and every copy of it that came meanwhile."""
-        self.ack()
-        for ack in self.also_ack:
-            ack()
+
+# A message a step sends, with its delivery and the request it is about.
+_Outgoing = tuple[StepMessage, Delivery, _Tracked]
 
 
 class RunnerActor(Actor):
@@ -165,7 +160,7 @@ class RunnerActor(Actor):
             if tracked.record is None:
                 self._tracked.pop(tracked.work.request.request_id, None)
                 failed = self._failed(tracked, RESTARTED)
-                await self.send_steps(Envelope(failed, tracked.ack_all, origin=tracked.origin))
+                await self.send_steps(Envelope(failed, tracked.delivery))
             else:
                 record = tracked.record
                 self._worker.submit(Admission(tracked.work, record.seed, record.resume()))
@@ -190,13 +185,10 @@ class RunnerActor(Actor):
         work: TokenizedRequest = envelope.body
         request_id = work.request.request_id
         if request_id in self._tracked:
-            # Redelivered while the first copy still runs (e.g. a rebalance): one copy is enough.
-            # The copy is acknowledged when the first copy ends, with it: never acknowledged, it
-            # would hold its partition's commits back for good; acknowledged now, its offset (the
-            # same record, when it came again after a rebalance) could be committed while the
-            # request still runs.
+            # Redelivered while the first copy still runs (e.g. a rebalance): one copy is enough,
+            # and the copy is done when the first one is (`Delivery.also`).
             log.warning("request %s is already running here; dropping the duplicate", request_id)
-            self._tracked[request_id].also_ack.append(envelope.ack)
+            self._tracked[request_id].delivery.also(envelope.delivery)
             return
         if self.progress is not None and (work.taken_over_from or work.handoff):
             # Its first runner died, or passed it on: read what that runner recorded since this
@@ -209,7 +201,7 @@ class RunnerActor(Actor):
             if await self._pass_on_again(work, record, envelope):
                 return
         if record is not None:
-            record.origin = envelope.origin
+            record.origin = envelope.delivery.origin
         if record is not None and record.final is not None:
             if self.progress is not None and self.progress.transactional:
                 # Its events and its final are committed, and visible; its offset is not, and
@@ -221,7 +213,7 @@ class RunnerActor(Actor):
                 return
             # It had finished: send everything again as it was, and nothing else.
             log.info("request %s delivered again after its final: resending it", request_id)
-            await self._resend(work, record, envelope.origin)
+            await self._resend(work, record, envelope.delivery)
             await self.send_steps(envelope.derive(record.final))
             return
         request = work.request
@@ -229,7 +221,7 @@ class RunnerActor(Actor):
         handoff = work.handoff
         if handoff is not None and handoff.kv_file and self.kv_files is not None:
             kv = await asyncio.to_thread(self.kv_files.take, handoff.kv_file, handoff.kv_source)
-        tracked = _Tracked(work, envelope.ack, time.time(), origin=envelope.origin)
+        tracked = _Tracked(work, envelope.delivery, time.time())
         if not request.stream and request.logprobs is not None:
             tracked.logprobs = {}
         resume = None
@@ -242,7 +234,7 @@ class RunnerActor(Actor):
             if not (self.progress is not None and self.progress.transactional):
                 # What a client may have read, and more: sent again as it was. (Exactly-once:
                 # what the record holds is exactly what is visible; nothing to send again.)
-                await self._resend(work, record, envelope.origin)
+                await self._resend(work, record, envelope.delivery)
             tracked.seq = record.next_seq
             tracked.texts = record.texts()
             if tracked.logprobs is not None:
@@ -254,7 +246,7 @@ class RunnerActor(Actor):
         else:
             seed = request.seed if request.seed is not None else new_seed()
             record = Progress(request_id=request_id, digest=request_digest(request), seed=seed)
-            record.origin = envelope.origin
+            record.origin = envelope.delivery.origin
         if self.progress is not None:
             tracked.record = record
         self._tracked[request_id] = tracked
@@ -335,9 +327,7 @@ class RunnerActor(Actor):
             writes = self.progress.stage(record)
         else:
             await self.progress.save([record])
-        await self.send_steps(
-            Envelope(message, tracked.ack_all, origin=tracked.origin, writes=writes)
-        )
+        await self.send_steps(Envelope(message, tracked.delivery, writes))
 
     def _failed(self, tracked: _Tracked, why: str) -> StepMessage:
         """A final with finish_reason "error" after what the request had published."""
@@ -364,9 +354,7 @@ class RunnerActor(Actor):
             **self._echo(tracked),
         )
 
-    async def _resend(
-        self, work: TokenizedRequest, record: Progress, origin: TopicPartition | None
-    ) -> None:
+    async def _resend(self, work: TokenizedRequest, record: Progress, delivery: Delivery) -> None:
         """The token messages recorded for this request, sent again as they were."""
         positions: dict[int, int] = {}
         for tokens in record.tokens:
@@ -381,7 +369,7 @@ class RunnerActor(Actor):
                 logprobs=tokens.logprobs,
                 **self._echo_of(work),
             )
-            await self.send_steps(Envelope(message, no_ack, origin=origin))
+            await self.send_steps(Envelope(message, delivery.for_part()))
 
     async def _pump(self) -> None:
         assert self._worker is not None  # on_start made it before spawning this
@@ -390,12 +378,10 @@ class RunnerActor(Actor):
             writes: list[list] = [[] for _ in messages]
             if self.progress is not None:
                 writes = await self._record(messages)
-            for (message, ack, tracked), with_it in zip(messages, writes):
-                if tracked is not None and tracked.passing_on:
+            for (message, delivery, tracked), with_it in zip(messages, writes):
+                if tracked.passing_on:
                     continue  # its first token: the decode runner sends it (held back here)
-                origin = tracked.origin if tracked is not None else None
-                envelope = Envelope(message, ack or no_ack, origin=origin, writes=with_it)
-                await self.send_steps(envelope)
+                await self.send_steps(Envelope(message, delivery, with_it))
             passing, self._passing = self._passing, []
             for tracked in passing:
                 await self._pass_on(tracked, result.kv_exports.get(tracked.work.request.request_id))
@@ -422,7 +408,7 @@ class RunnerActor(Actor):
             log.warning("no decode runner alive: request %s is served here", rid)
             tracked.passing_on = False
             self._tracked[rid] = tracked
-            await self._resend(work, record, tracked.origin)  # the first token, held back
+            await self._resend(work, record, tracked.delivery)  # the first token, held back
             assert self._worker is not None
             self._worker.submit(Admission(work, record.seed, record.resume()))
             return
@@ -434,7 +420,7 @@ class RunnerActor(Actor):
         self.progress.handed_over.add(rid)
         await self.handoff.send(work, key, choice, kv)
         log.debug("request %s passed on to runner %s", rid, choice.runner_id)
-        tracked.ack_all()
+        tracked.delivery.done()
 
     async def _pass_on_again(self, work: TokenizedRequest, record: Progress, envelope) -> bool:
         """A request this runner had passed on, delivered again (this runner restarted before its
@@ -451,7 +437,7 @@ class RunnerActor(Actor):
             work.request.request_id,
             choice.runner_id,
         )
-        envelope.ack()
+        envelope.delivery.done()
         return True
 
     async def _report_kv(self) -> None:
@@ -479,9 +465,7 @@ class RunnerActor(Actor):
             num_blocks=int(stats["num_kv_blocks"]),
         )
 
-    async def _record(
-        self, messages: list[tuple[StepMessage, Ack | None, _Tracked | None]]
-    ) -> list[list]:
+    async def _record(self, messages: list[_Outgoing]) -> list[list]:
         """Add the step's messages to their requests' records and write them, before any of the
         messages goes out: a record holds at least what a client may have read. Exactly-once: the
         records go out with their message instead, in one piece of its partition's transaction
@@ -490,7 +474,7 @@ class RunnerActor(Actor):
         changed: dict[str, Progress] = {}
         writes: list[list] = [[] for _ in messages]
         for i, (message, _, tracked) in enumerate(messages):
-            record = tracked.record if tracked is not None else None
+            record = tracked.record
             if record is None:
                 continue
             if message.finished:
@@ -523,11 +507,10 @@ class RunnerActor(Actor):
 
     # -- step results -> messages --------------------------------------------------------------
 
-    def _messages(
-        self, result: StepResult
-    ) -> list[tuple[StepMessage, Ack | None, _Tracked | None]]:
-        """(message, the input's ack on a request's last message, the request's tracking)."""
-        messages: list[tuple[StepMessage, Ack | None, _Tracked | None]] = []
+    def _messages(self, result: StepResult) -> list[_Outgoing]:
+        """What a step's results send, each with its delivery: the input's on a request's last
+        message, a part of it on the others."""
+        messages: list[_Outgoing] = []
         for rejection in result.rejections:
             messages += self._rejection(rejection)
         for request_id in result.expired:
@@ -539,7 +522,7 @@ class RunnerActor(Actor):
                 continue
             if out.new_token_ids or out.text:
                 message = self._token_message(tracked, out)
-                messages.append((message, None, tracked))
+                messages.append((message, tracked.delivery.for_part(), tracked))
                 if tracked.logprobs is not None and message.logprobs:
                     tracked.logprobs.setdefault(out.index, []).extend(message.logprobs)
             tracked.texts[out.index] = tracked.texts.get(out.index, "") + out.text
@@ -556,18 +539,18 @@ class RunnerActor(Actor):
                 tracked.finals[out.index] = out
                 if len(tracked.finals) == tracked.work.request.n:
                     del self._tracked[out.request_id]
-                    messages.append((self._final_message(tracked), tracked.ack_all, tracked))
+                    messages.append((self._final_message(tracked), tracked.delivery, tracked))
                     if self.metrics:
                         self.metrics.runner_finished.labels(self.runner_id).inc()
         return messages
 
-    def _rejection(self, rejection: Rejection) -> list[tuple[StepMessage, Ack, _Tracked | None]]:
+    def _rejection(self, rejection: Rejection) -> list[_Outgoing]:
         tracked = self._tracked.pop(rejection.request_id, None)
         if tracked is None:
             return []
         exc = rejection.error
         message = error_step(tracked.work.request, wire_code(exc), str(exc), exc.field)
-        return [(message.model_copy(update={"seq": tracked.seq}), tracked.ack_all, tracked)]
+        return [(message.model_copy(update={"seq": tracked.seq}), tracked.delivery, tracked)]
 
     def _spelling(self, token_id: int) -> dict:
         """A token's text and bytes, for its logprob entry (none from a model without a

@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from sluice.actors.answered import AnsweredInputs
-from sluice.actors.messages import Envelope, StepMessage, no_ack
+from sluice.actors.messages import Envelope, StepMessage
 from sluice.actors.metrics import Metrics
 from sluice.actors.runtime import Actor
 from sluice.connectors.kafka_producer import EventProducer
@@ -76,8 +76,8 @@ class StreamerActor(Actor):
             value = self._encode(message, event)
         elif not message.finished:
             if not message.stream:  # its tokens go out on the final event alone
-                delivery = await self._send(envelope, topic, None)
-                self._after_token(envelope, delivery)
+                written = await self._send(envelope, topic, None)
+                self._after_token(envelope, written)
                 return
             event = TokenEvent(
                 request_id=message.request_id,
@@ -88,8 +88,8 @@ class StreamerActor(Actor):
                 logprobs=message.logprobs,
                 session_id=message.session_id,
             )
-            delivery = await self._send(envelope, topic, self._encode(message, event))
-            self._after_token(envelope, delivery)
+            written = await self._send(envelope, topic, self._encode(message, event))
+            self._after_token(envelope, written)
             return
         else:
             event = FinalEvent(
@@ -117,7 +117,7 @@ class StreamerActor(Actor):
                 metadata=message.metadata,
             )
             value = self._encode(message, event)
-        delivery = await self._send(envelope, topic, value)
+        written = await self._send(envelope, topic, value)
         if message.dead_letter is not None and self.dlq_topic is not None:
             letter = ErrorEvent(
                 request_id=message.request_id,
@@ -132,10 +132,10 @@ class StreamerActor(Actor):
                     self.dlq_topic,
                     key=message.request_id,
                     value=encode(letter),
-                    origin=envelope.origin,
+                    origin=envelope.delivery.origin,
                 )
             )
-        self._track(self._finish_request(delivery, envelope))
+        self._track(self._finish_request(written, envelope))
 
     def _encode(self, message: StepMessage, event: TokenEvent | FinalEvent | ErrorEvent) -> bytes:
         """The event as the request wants it: sluice's own, or OpenAI's objects."""
@@ -160,11 +160,12 @@ class StreamerActor(Actor):
             return None
         return message.choice_logprobs.get(index, [])
 
-    def _after_token(self, envelope: Envelope[StepMessage], delivery: asyncio.Future) -> None:
-        if envelope.ack is not no_ack:  # one record per token message when roles run apart
-            self._track(self._ack_after(delivery, envelope))
+    def _after_token(self, envelope: Envelope[StepMessage], written: asyncio.Future) -> None:
+        if envelope.delivery.from_record:  # one record per token message when roles run apart
+            what = f"a token event of {envelope.body.request_id}"
+            self._track(envelope.delivery.done_after(written, what))
         else:
-            self._token_deliveries.setdefault(envelope.body.request_id, []).append(delivery)
+            self._token_deliveries.setdefault(envelope.body.request_id, []).append(written)
 
     async def _send(
         self, envelope: Envelope[StepMessage], topic: str, value: bytes | None
@@ -173,46 +174,35 @@ class StreamerActor(Actor):
         piece with it."""
         key = envelope.body.request_id
         writes = envelope.writes
-        if envelope.body.error is not None and self.answered is not None:
+        if envelope.body.error is not None:
             # A request rejected before the engine: its error event is all it gets; marked with
             # it, so that the request delivered again after a crash is not answered twice.
-            if envelope.origin is not None and envelope.offset is not None:
-                writes = [*writes, *self.answered.mark(envelope.origin, envelope.offset)]
+            writes = [*writes, *envelope.delivery.marker(self.answered)]
         if value is None and not writes:
             done: asyncio.Future = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
         if not writes:
-            return await self.producer.send(topic, key=key, value=value, origin=envelope.origin)
+            origin = envelope.delivery.origin
+            return await self.producer.send(topic, key=key, value=value, origin=origin)
         assert isinstance(self.producer, PartitionTransactions)
         records = [*writes] + ([(topic, key, value)] if value is not None else [])
-        return (await self.producer.send_together(envelope.origin, records))[-1]
+        return (await self.producer.send_together(envelope.delivery.origin, records))[-1]
 
     def _track(self, coro) -> None:
         task = asyncio.ensure_future(coro)
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
 
-    async def _ack_after(self, delivery, envelope: Envelope[StepMessage]) -> None:
-        try:
-            await delivery
-        except Exception:
-            log.exception(
-                "token event of %s not delivered; its step stays uncommitted",
-                envelope.body.request_id,
-            )
-            return
-        envelope.ack()
-
     async def _finish_request(
-        self, delivery: asyncio.Future | None, envelope: Envelope[StepMessage]
+        self, written: asyncio.Future | None, envelope: Envelope[StepMessage]
     ) -> None:
-        """Once every event of the request is durable (`delivery`: its final's; None when it
-        was published before): its session turn, then its acknowledgement."""
+        """Once every event of the request is durable (`written`: its final's; None when it
+        was published before): its session turn, then its input is done."""
         message: StepMessage = envelope.body
         tokens = self._token_deliveries.pop(message.request_id, [])
         try:
-            for future in [*tokens, *([delivery] if delivery is not None else [])]:
+            for future in [*tokens, *([written] if written is not None else [])]:
                 await future
         except Exception:
             log.exception(
@@ -241,7 +231,7 @@ class StreamerActor(Actor):
                     )
             else:  # it ended without an answer to remember: the next turn need not wait
                 await self.sessions.end_turn(message.tenant, message.session_id, message.request_id)
-        envelope.ack()
+        envelope.delivery.done()
         if not message.published:  # (counted when it was)
             self._record(message)
 

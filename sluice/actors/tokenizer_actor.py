@@ -97,9 +97,7 @@ class TokenizerActor(Actor):
         while queue:
             envelope = queue[0]
             request: GenerateRequest = envelope.body
-            position = None
-            if envelope.origin is not None and envelope.offset is not None:
-                position = (envelope.origin.topic, envelope.origin.partition, envelope.offset)
+            position = envelope.delivery.position()
             deadline = time.monotonic() + self.turn_wait_s
             while not await self.sessions.begin_turn(
                 *turn,
@@ -153,8 +151,8 @@ class TokenizerActor(Actor):
             conversation=prompt.messages,
             history_messages=len(history_messages or []),
             history_tokens=prompt.history_tokens,
-            received_at=envelope.received_at or time.time(),
-            published_at=envelope.published_at,
+            received_at=envelope.delivery.received_at or time.time(),
+            published_at=envelope.delivery.published_at,
         )
         await self.send_work(envelope.derive(work))
 

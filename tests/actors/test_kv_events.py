@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from sluice.actors.delivery import Delivery
 from sluice.actors.kv_events import KvEventPublisher, KvEventsMessage
 from sluice.actors.kv_router import KvRouter
 from sluice.actors.messages import Envelope, TokenizedRequest
@@ -48,14 +49,16 @@ async def test_runner_reports_its_cache_and_load(engine):
     acked = []
 
     async def steps(envelope: Envelope) -> None:
-        envelope.ack()
+        envelope.delivery.done()
 
     runner = RunnerActor(engine, steps, runner_id="r-1", kv_events=publisher)
     await runner.start()
     try:
         await eventually(lambda: reports and reports[0].snapshot)
         for i in range(4):
-            await runner.tell(Envelope(work(i, 40 + 5 * i), lambda i=i: acked.append(i)))
+            await runner.tell(
+                Envelope(work(i, 40 + 5 * i), Delivery(lambda _, i=i: acked.append(i)))
+            )
         await eventually(lambda: len(acked) == 4, BOUND * 3)
         # heartbeats go on while idle
         count = len(reports)

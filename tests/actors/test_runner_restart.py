@@ -10,6 +10,7 @@ import time
 import pytest
 
 from sluice.actors import engine_loop
+from sluice.actors.delivery import Delivery
 from sluice.actors.messages import Envelope, TokenizedRequest
 from sluice.actors.progress import ProgressLog
 from sluice.actors.runner_actor import RESTARTED, RunnerActor
@@ -81,13 +82,12 @@ async def serve(engine: LLMEngine, progress: ProgressLog | None, n: int = 3):
 
     async def sink(envelope: Envelope) -> None:
         sent.append(envelope.body)
-        if envelope.ack is not None:
-            envelope.ack()
+        envelope.delivery.done()
 
     runner = RunnerActor(engine, sink, progress=progress)
     await runner.start()
     for i in range(n):
-        await runner.tell(Envelope(work(i), lambda i=i: acked.append(f"r{i}")))
+        await runner.tell(Envelope(work(i), Delivery(lambda _, i=i: acked.append(f"r{i}"))))
     await eventually(lambda: len(acked) == n, BOUND * 3)
     await runner.stop()
     return runner, sent, acked
@@ -137,12 +137,12 @@ async def test_a_copy_of_a_running_request_is_dropped_and_acknowledged(engine):
 
     async def sink(envelope: Envelope) -> None:
         sent.append(envelope.body)
-        envelope.ack()
+        envelope.delivery.done()
 
     runner = RunnerActor(engine, sink, progress=ProgressLog(MemoryChangelog()))
     await runner.start()
-    await runner.tell(Envelope(work(0), lambda: acked.append("first")))
-    await runner.tell(Envelope(work(0), lambda: acked.append("copy")))
+    await runner.tell(Envelope(work(0), Delivery(lambda _: acked.append("first"))))
+    await runner.tell(Envelope(work(0), Delivery(lambda _: acked.append("copy"))))
     await eventually(lambda: len(acked) == 2, BOUND * 3)
     assert acked == ["first", "copy"]
     await runner.stop()

@@ -3,6 +3,7 @@
 import asyncio
 import json
 
+from sluice.actors.delivery import Delivery
 from sluice.actors.messages import Envelope, StepMessage
 from sluice.actors.runtime.actor import ActorState
 from sluice.actors.streamer_actor import StreamerActor
@@ -34,7 +35,7 @@ async def test_streamer_publishes_acks_and_drains_cleanly():
     await streamer.tell(
         Envelope(
             StepMessage(request_id="r", seq=0, token_ids=[5], text="Hi"),
-            lambda: acks.append("token"),
+            Delivery(lambda _: acks.append("token")),
         )
     )
     await streamer.tell(
@@ -48,7 +49,7 @@ async def test_streamer_publishes_acks_and_drains_cleanly():
                 timings=Timings(queue_s=0.0, total_s=0.1),
                 full_text="Hi",
             ),
-            lambda: acks.append("final"),
+            Delivery(lambda _: acks.append("final")),
         )
     )
     await eventually(lambda: len(acks) == 2)
@@ -92,7 +93,7 @@ async def test_a_final_published_before_is_not_sent_again_but_its_turn_is_record
         session_token_ids=[1, 2, 5],
         published=True,
     )
-    await streamer.tell(Envelope(final, lambda: acks.append("final")))
+    await streamer.tell(Envelope(final, Delivery(lambda _: acks.append("final"))))
     await eventually(lambda: acks == ["final"])
     assert await asyncio.wait_for(streamer.drain(), BOUND) == 0
     assert producer.sent == []
@@ -126,7 +127,7 @@ async def _publish(streamer: StreamerActor, steps: list[StepMessage]) -> None:
     acks = []
     await streamer.start()
     for step in steps:
-        await streamer.tell(Envelope(step, lambda s=step: acks.append(s.seq)))
+        await streamer.tell(Envelope(step, Delivery(lambda _, s=step: acks.append(s.seq))))
     await eventually(lambda: len(acks) == len(steps))
     assert await asyncio.wait_for(streamer.drain(), BOUND) == 0
 
