@@ -3,7 +3,7 @@ streamer turns into its error event, and the wire code of an engine error."""
 
 from __future__ import annotations
 
-from sluice.actors.messages import StepMessage
+from sluice.actors.messages import RequestHandle, StepMessage
 from sluice.engine.errors import EngineError
 from sluice.engine.errors import ErrorCode as EngineErrorCode
 from sluice.schemas import ErrorEvent, GenerateRequest
@@ -34,11 +34,13 @@ def error_step(
         finished=True,
         finish_reason="error",
         error=event,
-        reply_topic=None if to_default_stream else request.reply_topic,
-        session_id=request.session_id,
-        tenant=request.tenant,
-        metadata=request.metadata,
-        stream=request.stream,
-        event_format=request.event_format,
-        chat=request.is_chat,
+        request=RequestHandle(
+            reply_topic=None if to_default_stream else request.reply_topic,
+            session_id=request.session_id,
+            tenant=request.tenant,
+            metadata=request.metadata,
+            stream=request.stream,
+            event_format=request.event_format,
+            chat=request.is_chat,
+        ),
     )

@@ -10,9 +10,9 @@ committed only after its output is safely written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sluice.actors.delivery import Delivery
 from sluice.schemas import ErrorEvent, GenerateRequest
@@ -51,6 +51,23 @@ class TokenizedRequest(_Internal):
     handoff: KvHandoff | None = None  # from a prefill runner, to a decode runner
 
 
+class RequestHandle(_Internal):
+    """What the streamer needs of a step's request, so that it keeps no state of its own: where
+    its events go and how they look. The runner makes it once per request."""
+
+    reply_topic: str | None = None
+    session_id: str | None = None
+    tenant: str | None = None
+    metadata: dict | None = None
+    model: str = ""
+    runner_id: str = ""
+    # How the request wants its events (see GenerateRequest.stream and .event_format).
+    stream: bool = True
+    event_format: str | None = None
+    chat: bool = False
+    created: int = 0  # unix second the request was published (OpenAI's `created`)
+
+
 class StepMessage(_Internal):
     """runner → streamer: what one engine step produced for one request, or its failure."""
 
@@ -79,22 +96,22 @@ class StepMessage(_Internal):
     failure: str | None = None  # on a final with finish_reason "error": what went wrong
     dead_letter: str | None = None  # the request (JSON), when it goes to the dead-letter topic
     error: ErrorEvent | None = None  # set instead of tokens when the request failed
-    # Echoed from the request so the streamer needs no other state.
-    reply_topic: str | None = None
-    session_id: str | None = None
-    tenant: str | None = None
-    metadata: dict | None = None
-    model: str = ""
-    runner_id: str = ""
-    # How the request wants its events (see GenerateRequest.stream and .event_format).
-    stream: bool = True
-    event_format: str | None = None
-    chat: bool = False
-    created: int = 0  # unix second the request was published (OpenAI's `created`)
+    request: RequestHandle = Field(default_factory=RequestHandle)
     # On the final message of a session's turn: the conversation to remember.
     session_messages: list[dict] | None = None
     session_token_ids: list[int] | None = None
     session_start: tuple[int, int] | None = None  # (messages, token ids) before this turn
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_handle(cls, data: Any) -> Any:
+        """A final kept in a progress record by an earlier version holds its handle's fields
+        flat: read them into the handle, so such a request still resumes after an upgrade."""
+        if isinstance(data, dict) and "request" not in data:
+            flat = {k: data[k] for k in RequestHandle.model_fields if k in data}
+            if flat:
+                data = {**data, "request": flat}
+        return data
 
 
 # What an envelope carries: a client's request (to the tokenizer), a tokenized one (to the

@@ -30,7 +30,7 @@ from sluice.actors.engine_loop import Admission, EngineLoop, Rejection, Snapshot
 from sluice.actors.errors import error_step, wire_code
 from sluice.actors.kv_events import KvEventPublisher, RunnerLoad
 from sluice.actors.kv_handoff import KvFiles, PrefillHandoff
-from sluice.actors.messages import Envelope, StepMessage, TokenizedRequest
+from sluice.actors.messages import Envelope, RequestHandle, StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
@@ -75,6 +75,7 @@ def token_text(raw: bytes) -> str:
 class _Tracked:
     work: TokenizedRequest
     delivery: Delivery  # of its input record: done with its final message
+    handle: RequestHandle  # what its step messages tell the streamer of it
     submitted_at: float  # wall clock, when handed to the engine thread
     seq: int = 0
     texts: dict[int, str] = field(default_factory=dict)
@@ -221,7 +222,7 @@ class RunnerActor(Actor):
         handoff = work.handoff
         if handoff is not None and handoff.kv_file and self.kv_files is not None:
             kv = await asyncio.to_thread(self.kv_files.take, handoff.kv_file, handoff.kv_source)
-        tracked = _Tracked(work, envelope.delivery, time.time())
+        tracked = _Tracked(work, envelope.delivery, self._handle(work), time.time())
         if not request.stream and request.logprobs is not None:
             tracked.logprobs = {}
         resume = None
@@ -351,11 +352,13 @@ class RunnerActor(Actor):
             ),
             full_text=texts.get(0, ""),
             seed=tracked.record.seed if tracked.record else None,
-            **self._echo(tracked),
+            request_id=tracked.work.request.request_id,
+            request=tracked.handle,
         )
 
     async def _resend(self, work: TokenizedRequest, record: Progress, delivery: Delivery) -> None:
         """The token messages recorded for this request, sent again as they were."""
+        handle = self._handle(work)
         positions: dict[int, int] = {}
         for tokens in record.tokens:
             position = positions.get(tokens.index, 0)
@@ -367,7 +370,8 @@ class RunnerActor(Actor):
                 token_ids=tokens.token_ids,
                 text=tokens.text,
                 logprobs=tokens.logprobs,
-                **self._echo_of(work),
+                request_id=work.request.request_id,
+                request=handle,
             )
             await self.send_steps(Envelope(message, delivery.for_part()))
 
@@ -563,13 +567,9 @@ class RunnerActor(Actor):
         raw = table[token_id]
         return {"token": token_text(raw), "bytes": list(raw)}
 
-    def _echo(self, tracked: _Tracked) -> dict:
-        return self._echo_of(tracked.work)
-
-    def _echo_of(self, work: TokenizedRequest) -> dict:
+    def _handle(self, work: TokenizedRequest) -> RequestHandle:
         request = work.request
-        return dict(
-            request_id=request.request_id,
+        return RequestHandle(
             reply_topic=request.reply_topic,
             session_id=request.session_id,
             tenant=request.tenant,
@@ -602,7 +602,8 @@ class RunnerActor(Actor):
             token_ids=out.new_token_ids,
             text=out.text,
             logprobs=logprobs,
-            **self._echo(tracked),
+            request_id=tracked.work.request.request_id,
+            request=tracked.handle,
         )
         tracked.seq += 1
         return message
@@ -669,7 +670,8 @@ class RunnerActor(Actor):
             session_start=(tracked.work.history_messages, tracked.work.history_tokens)
             if session_messages is not None
             else None,
-            **self._echo(tracked),
+            request_id=tracked.work.request.request_id,
+            request=tracked.handle,
         )
         tracked.seq += 1
         return message

@@ -69,13 +69,13 @@ class StreamerActor(Actor):
         if message.published:
             self._track(self._finish_request(None, envelope))
             return
-        topic = message.reply_topic or self.tokens_topic
+        topic = message.request.reply_topic or self.tokens_topic
         event: ErrorEvent | TokenEvent | FinalEvent
         if message.error is not None:
             event = message.error.model_copy(update={"seq": message.seq})
             value = self._encode(message, event)
         elif not message.finished:
-            if not message.stream:  # its tokens go out on the final event alone
+            if not message.request.stream:  # its tokens go out on the final event alone
                 written = await self._send(envelope, topic, None)
                 self._after_token(envelope, written)
                 return
@@ -86,7 +86,7 @@ class StreamerActor(Actor):
                 token_ids=message.token_ids,
                 text=message.text,
                 logprobs=message.logprobs,
-                session_id=message.session_id,
+                session_id=message.request.session_id,
             )
             written = await self._send(envelope, topic, self._encode(message, event))
             self._after_token(envelope, written)
@@ -99,7 +99,7 @@ class StreamerActor(Actor):
                 stop_reason=message.stop_reason,
                 usage=message.usage,
                 timings=message.timings,
-                model=message.model,
+                model=message.request.model,
                 text=message.full_text or "",
                 choices=[
                     Choice(**c, logprobs=self._logprobs_of(message, c["index"]))
@@ -113,8 +113,8 @@ class StreamerActor(Actor):
                 error=Failure(code=ErrorCode.INTERNAL, message=message.failure)
                 if message.failure
                 else None,
-                session_id=message.session_id,
-                metadata=message.metadata,
+                session_id=message.request.session_id,
+                metadata=message.request.metadata,
             )
             value = self._encode(message, event)
         written = await self._send(envelope, topic, value)
@@ -123,8 +123,8 @@ class StreamerActor(Actor):
                 request_id=message.request_id,
                 code=ErrorCode.INTERNAL,
                 message=message.failure or "dead-lettered",
-                session_id=message.session_id,
-                metadata=message.metadata,
+                session_id=message.request.session_id,
+                metadata=message.request.metadata,
             )
             letter = letter.with_raw(message.dead_letter.encode())
             self._token_deliveries.setdefault(message.request_id, []).append(
@@ -139,16 +139,17 @@ class StreamerActor(Actor):
 
     def _encode(self, message: StepMessage, event: TokenEvent | FinalEvent | ErrorEvent) -> bytes:
         """The event as the request wants it: sluice's own, or OpenAI's objects."""
-        if not openai_events.wants_openai(message.event_format, self.event_format):
+        if not openai_events.wants_openai(message.request.event_format, self.event_format):
             return encode(event)
         if isinstance(event, ErrorEvent):
             return openai_events.dump(openai_events.error_object(event))
-        shape = openai_events.OpenAIShape(message.chat, message.created, message.model)
+        request = message.request
+        shape = openai_events.OpenAIShape(request.chat, request.created, request.model)
         if isinstance(event, TokenEvent):
             return openai_events.dump(
                 openai_events.token_chunk(event, shape, message.position == 0)
             )
-        if not message.stream:
+        if not message.request.stream:
             logprobs = message.choice_logprobs
             return openai_events.dump(openai_events.whole(event, shape, logprobs))
         return openai_events.dump(openai_events.last_chunk(event, shape))
@@ -210,27 +211,28 @@ class StreamerActor(Actor):
                 message.request_id,
             )
             return
-        if message.session_id is not None and self.sessions is not None:
+        request = message.request
+        if request.session_id is not None and self.sessions is not None:
             if message.session_token_ids is not None:
                 recorded = await self.sessions.record_turn(
-                    message.tenant,
-                    message.session_id,
+                    request.tenant,
+                    request.session_id,
                     message.request_id,
                     message.session_messages or [],
                     message.session_token_ids,
                     message.session_start or (0, 0),
-                    owner=message.runner_id,
-                    model=message.model,
+                    owner=request.runner_id,
+                    model=request.model,
                 )
                 if not recorded:
                     log.warning(
                         "turn %s of session %s not recorded (Redis unavailable): the session's "
                         "next turn will not continue it",
                         message.request_id,
-                        message.session_id,
+                        request.session_id,
                     )
             else:  # it ended without an answer to remember: the next turn need not wait
-                await self.sessions.end_turn(message.tenant, message.session_id, message.request_id)
+                await self.sessions.end_turn(request.tenant, request.session_id, message.request_id)
         envelope.delivery.done()
         if not message.published:  # (counted when it was)
             self._record(message)

@@ -4,7 +4,7 @@ import asyncio
 import json
 
 from sluice.actors.delivery import Delivery
-from sluice.actors.messages import Envelope, StepMessage
+from sluice.actors.messages import Envelope, RequestHandle, StepMessage
 from sluice.actors.runtime.actor import ActorState
 from sluice.actors.streamer_actor import StreamerActor
 from sluice.schemas.events import Timings, TokenLogprob, Usage
@@ -88,7 +88,7 @@ async def test_a_final_published_before_is_not_sent_again_but_its_turn_is_record
         finished=True,
         finish_reason="length",
         full_text="Hi",
-        session_id="s",
+        request=RequestHandle(session_id="s"),
         session_messages=[{"role": "user", "content": "x"}],
         session_token_ids=[1, 2, 5],
         published=True,
@@ -103,10 +103,11 @@ async def test_a_final_published_before_is_not_sent_again_but_its_turn_is_record
 def _steps(**echo) -> list[StepMessage]:
     """A request's two token messages and its final, echoing `echo` (the request's wishes)."""
     lp = [TokenLogprob(token_id=5, logprob=-0.5, token="Hi", bytes=[72, 105])]
+    handle = RequestHandle(model="m", **echo)
     return [
-        StepMessage(request_id="r", seq=0, token_ids=[5], text="Hi", logprobs=lp, **echo),
+        StepMessage(request_id="r", seq=0, token_ids=[5], text="Hi", logprobs=lp, request=handle),
         StepMessage(
-            request_id="r", seq=1, position=1, token_ids=[6], text="!", logprobs=lp, **echo
+            request_id="r", seq=1, position=1, token_ids=[6], text="!", logprobs=lp, request=handle
         ),
         StepMessage(
             request_id="r",
@@ -116,9 +117,8 @@ def _steps(**echo) -> list[StepMessage]:
             usage=Usage(prompt_tokens=3, cached_tokens=2, completion_tokens=2),
             timings=Timings(queue_s=0.0, total_s=0.1),
             full_text="Hi!",
-            model="m",
             choice_logprobs=None if echo.get("stream", True) else {0: lp + lp},
-            **echo,
+            request=handle,
         ),
     ]
 
