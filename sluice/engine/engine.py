@@ -36,16 +36,17 @@ import torch
 from sluice.engine import startup
 from sluice.engine.config import EngineConfig, ModelConfig
 from sluice.engine.draws import new_seed
+from sluice.engine.engine_model import prepare_model
 from sluice.engine.errors import EngineError, TensorParallelError, check_prompt_fits
 from sluice.engine.faults import isolate_fault
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.kv_events import KvEventLog, KvEvents
-from sluice.engine.loader import LoadedModel, build_model, load_model
+from sluice.engine.loader import LoadedModel, load_model
 from sluice.engine.memory import memory_report
-from sluice.engine.model_runner import ModelRunner, num_kv_blocks
+from sluice.engine.model_runner import ModelRunner
 from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.outputs import GenerateResult, StepOutput
-from sluice.engine.provenance import engine_provenance, weights_sha256
+from sluice.engine.provenance import engine_provenance
 from sluice.engine.request import (
     Request,
     final_output,
@@ -104,51 +105,19 @@ class LLMEngine:
     def _build(self, model, loaded, workers, started: float) -> None:
         self.loaded = loaded or load_model(model)
         self.model_config: ModelConfig = self.loaded.config
-        shards = None if workers is None else workers.shard_plan(self.model_config)
-        # the model as this process runs it: all of it, or rank 0's share of its heads and columns
-        rank_config = self.model_config if shards is None else shards.rank_config(0)
-        if self.config.quantization == "auto":
-            quantization = startup.choose_quantization(self.loaded, self.ops)
-            self.config = replace(self.config, quantization=quantization)
-        if self.config.dtype == "auto":
-            dtype = startup.choose_dtype(self.config, rank_config, self.ops)
-            self.config = replace(self.config, dtype=dtype)
         self.tokenizer: Tokenizer | None = self.loaded.tokenizer
         self.model_id = self.loaded.source
+        built = prepare_model(self.loaded, self.config, self.ops, workers)
+        self.config = built.config
         self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        num_blocks = num_kv_blocks(self.model_config, self.config)
-        group = None
-        if workers is not None:
-            group = workers.start(
-                self.loaded.tensors, self.config, self.ops.name, num_blocks, self.loaded.source
-            )
-        model_obj = build_model(
-            rank_config,
-            self.loaded.tensors if shards is None else shards.rank_tensors(self.loaded.tensors, 0),
-            self.config.torch_dtype,
-            self.config.device,
-            quantization=self.config.quantization,
-            ops=self.ops,
-            source=self.loaded.source,
-            # (a rank's share is cut from the values, as the other ranks': the file's blocks are
-            # whole matrices)
-            int4_blocks=self.loaded.int4_blocks if shards is None else None,
-            stored_types=self.loaded.stored_types if shards is None else None,
-        )
+        num_blocks, rank_config = built.num_blocks, built.rank_config
         if workers is None:
-            startup.choose_widening(self.config, self.ops, model_obj)
-        startup.hint_stored_quantization(self.config, self.loaded, self.ops)
-        weights_hash = weights_sha256(self.loaded.source, self.loaded.tensors)
-        self.loaded.tensors = {}  # the model holds its own (fused, cast) copies now
-        self.loaded.int4_blocks = {}
-        if workers is None:
-            self.runner = ModelRunner(model_obj, rank_config, self.config, num_blocks)
+            self.runner = ModelRunner(built.model, rank_config, self.config, num_blocks)
         else:
             from .tensor_parallel.launcher import TensorParallelRunner
 
-            assert group is not None
             self.runner = TensorParallelRunner(
-                workers, group, model_obj, rank_config, self.config, num_blocks
+                workers, built.group, built.model, rank_config, self.config, num_blocks
             )
         self.ops.check(self.runner.attention)
         self.scheduler = BatchScheduler(self.config, num_blocks, self.max_model_len)
@@ -173,9 +142,9 @@ class LLMEngine:
         self._last_scheduled: list[str] = []  # request ids of the last batch scheduled
         # Called with each batch before it runs (tests inject faults through it: `faults`).
         self.fault_hook: Callable[[ScheduledBatch], None] | None = None
-        self.memory = memory_report(rank_config, self.config, model_obj, self.runner)
+        self.memory = memory_report(rank_config, self.config, built.model, self.runner)
         self.provenance = engine_provenance(
-            self.model_id, self.config, self.ops, self.tokenizer, weights_hash
+            self.model_id, self.config, self.ops, self.tokenizer, built.weights_hash
         )
         ready = startup.ReadyReport(
             time.monotonic() - started,
