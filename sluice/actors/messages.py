@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sluice.actors.delivery import Delivery
 from sluice.schemas import ErrorEvent, GenerateRequest
-from sluice.schemas.events import Provenance, Timings, TokenLogprob, Usage
+from sluice.schemas.events import FinishReason, Provenance, Timings, TokenLogprob, Usage
 
 
 class _Internal(BaseModel):
@@ -79,7 +79,7 @@ class StepMessage(_Internal):
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None  # the engine's (`SequenceStatus.finish_reason`)
     stop_reason: str | int | None = None
     usage: Usage | None = None
     timings: Timings | None = None
