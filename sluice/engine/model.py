@@ -233,7 +233,8 @@ class CausalLM(nn.Module):
         planned = self.ops.plan(layout, spec)
         others = {
             w: self.ops.plan(replace(layout, sliding_window=w), spec)
-            for w in self.config.other_windows
+            for w in dict.fromkeys(self.layer_windows)
+            if w != layout.sliding_window
         }
         return replace(planned, other_windows=others) if others else planned
 
