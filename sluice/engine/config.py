@@ -240,11 +240,7 @@ class ModelConfig:
         layers = int(d.get("num_hidden_layers") or 0)
         kinds = d.get("layer_types")
         if kinds is None:
-            pattern = int(d.get("sliding_window_pattern") or 6)
-            kinds = [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(layers)
-            ]
+            kinds = gemma3_layer_kinds(layers, int(d.get("sliding_window_pattern") or 6))
         unknown = set(kinds) - {"full_attention", "sliding_attention"}
         if unknown or len(kinds) != layers:
             raise _error(
@@ -289,17 +285,45 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d),
-            sliding_window=window,
-            layer_windows=tuple(window if k == "sliding_attention" else None for k in kinds),
-            local_rope_theta=local_theta,
-            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256),  # (HF's default)
             hidden_act=act,
-            norm_adds_one=True,
-            sandwich_norms=True,
-            qk_norm=True,
-            embedding_scale=hidden**0.5,
-            final_logit_softcapping=float(cap) if cap else None,
+            **gemma3_fields(
+                hidden,
+                kinds,
+                window,
+                local_theta,
+                float(d.get("query_pre_attn_scalar") or 256),  # (HF's default)
+                float(cap) if cap else None,
+            ),
         )
+
+
+def gemma3_layer_kinds(layers: int, pattern: int) -> list[str]:
+    """HF's layer_types for a Gemma 3 whose every `pattern`-th layer is global."""
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+
+
+def gemma3_fields(
+    hidden: int,
+    layer_kinds: list[str],
+    window: int | None,
+    local_rope_theta: float,
+    query_pre_attn_scalar: float,
+    final_logit_softcapping: float | None,
+) -> dict[str, Any]:
+    """The `ModelConfig` fields that make a model Gemma 3 (from a HF config or a GGUF file)."""
+    return dict(
+        sliding_window=window,
+        layer_windows=tuple(window if k == "sliding_attention" else None for k in layer_kinds),
+        local_rope_theta=local_rope_theta,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        norm_adds_one=True,
+        sandwich_norms=True,
+        qk_norm=True,
+        embedding_scale=hidden**0.5,
+        final_logit_softcapping=final_logit_softcapping,
+    )
 
 
 def _eos_ids(d: dict[str, Any]) -> tuple[int, ...]:
