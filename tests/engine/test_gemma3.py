@@ -22,6 +22,7 @@ from _hf_models import (
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
+from sluice.engine.errors import ConfigError
 from sluice.engine.forward import LayerByLayer
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.loader import build_model, load_model
@@ -138,3 +139,13 @@ def test_bfloat16_close_to_transformers_bfloat16(gemma3_dir):
     for g, want in zip(got, hf_logits(hf16, prompts_)):
         assert g.dtype == torch.float32
         assert rel_err(g, want) < 0.05  # (~0.02-0.035 here; transformers' own bf16 is ~0.03 off)
+
+
+def test_deterministic_mode_is_refused(vector_heads_dir):
+    """Its extra norms and GELU run through torch, whose bits may depend on the batch."""
+    if "native" not in _families():
+        pytest.skip("the native family is not built here (no C compiler)")
+    hf, path = vector_heads_dir
+    with pytest.raises(ConfigError) as e:
+        engine(path, "auto", deterministic=True, block_size=VECTOR_BLOCK)
+    assert e.value.field == "deterministic"

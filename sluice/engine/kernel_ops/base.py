@@ -53,6 +53,10 @@ class KernelOps(ABC):
     # Whether, where its layers run as one native call, a step of decodes only may go from token
     # ids to logits in one call too (`cpu_kernels.decode_forward`)
     decodes_in_one_call: ClassVar[bool] = False
+    # Whether the bits it promises (a deterministic family's) hold for the plain Llama layer
+    # alone: what other layers add (Gemma's norms, GELU) runs through torch, whose vector and
+    # scalar code may round an element differently by its place in the tensor
+    fixes_plain_layers_only: ClassVar[bool] = False
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back
