@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -143,9 +144,10 @@ class CapturedDecode:
         self.block_tables[:bucket, :cols].copy_(torch.from_numpy(tables))
 
     def _plan(self, bucket: int) -> StepPlan:
-        """A step of `bucket` decodes over the static buffers, as the triton family plans it."""
+        """A step of `bucket` decodes over the static buffers, as the triton family plans it
+        (its decode rows are the same whatever window a layer attends with)."""
         ones = np.ones(bucket, np.int64)
-        return StepPlan(
+        plan = StepPlan(
             positions=self.positions[:bucket],
             slot_mapping=self.slots[:bucket],
             query_start_loc=self.starts[: bucket + 1],
@@ -168,6 +170,8 @@ class CapturedDecode:
                 max_seq_len=self.max_model_len,
             ),
         )
+        others = {w: replace(plan, sliding_window=w) for w in self.model.config.other_windows}
+        return replace(plan, other_windows=others) if others else plan
 
     @torch.inference_mode()
     def _run(self, bucket: int) -> torch.Tensor:

@@ -12,7 +12,12 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# HF `model_type` of a config saved without `architectures` -> our family name
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+# HF activation names of the gated MLP we run ("gelu_pytorch_tanh": GELU's tanh approximation)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
@@ -22,7 +27,7 @@ def _error(message: str, field: str) -> ModelError:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    architecture: str  # "llama" | "qwen2" | "mistral" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -41,13 +46,73 @@ class ModelConfig:
     attention_bias: bool  # q/k/v bias (Qwen2; Llama's attention_bias also adds an o_proj bias)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # Extension: keys further back than this many positions are not attended (Mistral v0.1).
+    # Extension: keys further back than this many positions are not attended (Mistral v0.1), in
+    # every layer unless `layer_windows` says otherwise.
     sliding_window: int | None = None
+    # Each layer's window (None: the whole context), where the layers differ (Gemma 3's local and
+    # global layers); None: every layer attends with `sliding_window`.
+    layer_windows: tuple[int | None, ...] | None = None
+    # Rotary theta of the windowed layers, which then rotate without `rope_scaling` (Gemma 3's
+    # local layers); None: every layer rotates alike.
+    local_rope_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar**-0.5 (Gemma); None: head_dim**-0.5.
+    query_pre_attn_scalar: float | None = None
+    # The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma).
+    hidden_act: str = "silu"
+    # Gemma's RMSNorm: it scales by 1 + weight, multiplied in float32 before the cast back.
+    norm_adds_one: bool = False
+    # Gemma's layer: norms on the attention and MLP outputs too (post_attention_layernorm is then
+    # the attention output's, pre_feedforward_layernorm the MLP input's), and an RMSNorm over each
+    # head of q and k before rotary (q_norm, k_norm).
+    sandwich_norms: bool = False
+    qk_norm: bool = False
+    # The token embeddings are multiplied by this, in the model dtype (Gemma: sqrt(hidden_size)).
+    embedding_scale: float | None = None
+    # logits -> cap * tanh(logits / cap) (Gemma 2); None: no capping.
+    final_logit_softcapping: float | None = None
 
     @property
     def o_proj_bias(self) -> bool:
         # HF Llama/Mistral put `attention_bias` on o_proj as well; Qwen2 never biases o_proj.
         return self.attention_bias and self.architecture in ("llama", "mistral")
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores q.k are multiplied by."""
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
+        return self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer `layer` attends with (None: its whole context)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    @property
+    def other_windows(self) -> tuple[int | None, ...]:
+        """The windows some layers attend with other than `sliding_window` (a step is planned
+        once for each of these too)."""
+        if self.layer_windows is None:
+            return ()
+        return tuple(w for w in dict.fromkeys(self.layer_windows) if w != self.sliding_window)
+
+    def uses_local_rotary(self, layer: int) -> bool:
+        """Whether layer `layer` rotates by `local_rope_theta` (a windowed layer of a model that
+        has one)."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
+
+    @property
+    def plain_layers(self) -> bool:
+        """Whether every layer is the plain Llama form (one window for all, SiLU, RMSNorm scaled
+        by its weight, no QK-norm, no extra norms, unscaled embeddings, uncapped logits): the
+        form the native layer stack and one-call decode implement (`forward.choose_forward`)."""
+        return (
+            self.layer_windows is None
+            and self.local_rope_theta is None
+            and self.hidden_act == "silu"
+            and not (self.norm_adds_one or self.sandwich_norms or self.qk_norm)
+            and self.embedding_scale is None
+            and self.final_logit_softcapping is None
+        )
 
     @property
     def q_size(self) -> int:
@@ -71,8 +136,8 @@ class ModelConfig:
             if a in HF_ARCHITECTURES:
                 arch = HF_ARCHITECTURES[a]
                 break
-        if arch is None and not archs and d.get("model_type") in ("llama", "mistral", "qwen2"):
-            arch = d["model_type"]  # config saved from a bare config object
+        if arch is None and not archs and d.get("model_type") in HF_MODEL_TYPES:
+            arch = HF_MODEL_TYPES[d["model_type"]]  # config saved from a bare config object
         if arch is None:
             raise _error(
                 f"{source}: unknown architecture {archs or d.get('model_type')!r} "
@@ -86,11 +151,14 @@ class ModelConfig:
                 raise _error(f"{source}: missing field {key!r}", key)
             return d[key]
 
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
+        # Gemma's configs name it hidden_activation
+        act_field = "hidden_activation" if "hidden_activation" in d else "hidden_act"
+        act = d.get(act_field) or "silu"
+        if act not in SUPPORTED_ACTIVATIONS or (act != "silu" and arch != "gemma3"):
             raise _error(
-                f"{source}: unsupported hidden_act {act!r} in field 'hidden_act' (only 'silu')",
-                "hidden_act",
+                f"{source}: unsupported {act_field} {act!r} in field {act_field!r} for {arch} "
+                f"(supported: {list(SUPPORTED_ACTIVATIONS)}, GELU for gemma3 only)",
+                act_field,
             )
         if d.get("mlp_bias"):
             raise _error(f"{source}: unsupported field 'mlp_bias'=true", "mlp_bias")
@@ -110,6 +178,11 @@ class ModelConfig:
                 "num_key_value_heads",
             )
 
+        if arch == "gemma3":
+            for key in ("vocab_size", "intermediate_size", "num_hidden_layers"):
+                need(key)
+            return cls._gemma3(d, source, arch, hidden, heads, kv_heads, head_dim, act)
+
         # Rotary: transformers 5 keeps theta and scaling together in `rope_parameters`.
         rope = dict(d.get("rope_parameters") or {})
         if "rope_theta" not in rope:
@@ -127,8 +200,6 @@ class ModelConfig:
                 "use_sliding_window",
             )
 
-        eos = d.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -145,9 +216,119 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_eos_ids(d),
             sliding_window=int(sliding) if sliding else None,
         )
+
+    @classmethod
+    def _gemma3(
+        cls,
+        d: dict[str, Any],
+        source: str,
+        arch: str,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        act: str,
+    ) -> ModelConfig:
+        """A HF gemma3_text config: local (sliding-window) and global layers by `layer_types`
+        (or every `sliding_window_pattern`-th layer global), each kind with its own rotary."""
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if d.get(key):
+                raise _error(f"{source}: unsupported field {key!r}={d[key]!r} for gemma3", key)
+        layers = int(d.get("num_hidden_layers") or 0)
+        kinds = d.get("layer_types")
+        if kinds is None:
+            kinds = gemma3_layer_kinds(layers, int(d.get("sliding_window_pattern") or 6))
+        unknown = set(kinds) - {"full_attention", "sliding_attention"}
+        if unknown or len(kinds) != layers:
+            raise _error(
+                f"{source}: field 'layer_types' must give 'full_attention' or "
+                f"'sliding_attention' for each of the {layers} layers",
+                "layer_types",
+            )
+        window = d.get("sliding_window")
+        window = int(window) if window else None
+        # transformers 5: rope_parameters by layer kind; 4.x: rope_theta, rope_local_base_freq
+        # and rope_scaling (the global layers')
+        by_kind = d.get("rope_parameters") or {}
+        if "full_attention" in by_kind or "sliding_attention" in by_kind:
+            full = dict(by_kind.get("full_attention") or {})
+            local = dict(by_kind.get("sliding_attention") or {})
+        else:
+            full = {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta")}
+            local = {"rope_theta": d.get("rope_local_base_freq")}
+        theta = float(full.pop("rope_theta", None) or 1_000_000.0)
+        local_theta = float(local.pop("rope_theta", None) or 10_000.0)
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise _error(
+                f"{source}: unsupported rope type for the sliding-window layers: {local}",
+                "rope_parameters",
+            )
+        rope_type = full.get("rope_type", full.get("type", "default"))
+        cap = d.get("final_logit_softcapping")
+        return cls(
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=normalize_rope_scaling(full, rope_type, source),
+            max_position_embeddings=int(d.get("max_position_embeddings") or 131072),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_eos_ids(d),
+            hidden_act=act,
+            **gemma3_fields(
+                hidden,
+                kinds,
+                window,
+                local_theta,
+                float(d.get("query_pre_attn_scalar") or 256),  # (HF's default)
+                float(cap) if cap else None,
+            ),
+        )
+
+
+def gemma3_layer_kinds(layers: int, pattern: int) -> list[str]:
+    """HF's layer_types for a Gemma 3 whose every `pattern`-th layer is global."""
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+
+
+def gemma3_fields(
+    hidden: int,
+    layer_kinds: list[str],
+    window: int | None,
+    local_rope_theta: float,
+    query_pre_attn_scalar: float,
+    final_logit_softcapping: float | None,
+) -> dict[str, Any]:
+    """The `ModelConfig` fields that make a model Gemma 3 (from a HF config or a GGUF file)."""
+    return dict(
+        sliding_window=window,
+        layer_windows=tuple(window if k == "sliding_attention" else None for k in layer_kinds),
+        local_rope_theta=local_rope_theta,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        norm_adds_one=True,
+        sandwich_norms=True,
+        qk_norm=True,
+        embedding_scale=hidden**0.5,
+        final_logit_softcapping=final_logit_softcapping,
+    )
+
+
+def _eos_ids(d: dict[str, Any]) -> tuple[int, ...]:
+    eos = d.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
 def normalize_rope_scaling(params: dict, rope_type: str | None, source: str) -> dict | None:

@@ -105,7 +105,7 @@ class LayerByLayer(Forward):
             self.model.device,
             self.model.config.sliding_window,
         )
-        return self.model.ops.plan(layout, self.attention)
+        return self.model.plan(layout, self.attention)
 
     def hidden(self, inputs: StepInputs) -> torch.Tensor:
         plan = self.plan(inputs)
@@ -230,7 +230,9 @@ def choose_forward(
             engine_config.max_model_len or model.config.max_position_embeddings,
         )
         return CapturedGraphs(model, attention, kv_caches, embed, captured)
-    stack = LayerStack.of(model.layers) if ops.runs_layer_stack(attention) else None
+    # the C stack implements the plain Llama layer alone
+    stacked = model.config.plain_layers and ops.runs_layer_stack(attention)
+    stack = LayerStack.of(model.layers) if stacked else None
     if stack is None:
         return LayerByLayer(model, attention, kv_caches, embed)
     rows = embedding_rows(model) if ops.decodes_in_one_call else None

@@ -1,4 +1,5 @@
-"""Llama / Mistral / Qwen2 decoder, run over a flat batch of tokens through a kernel family.
+"""Llama / Mistral / Qwen2 / Gemma 3 decoder, run over a flat batch of tokens through a kernel
+family.
 
 Shapes: T tokens in the flat batch, H hidden size, Hq/Hkv query/KV heads of size D.
 q/k/v are one [Hq*D + 2*Hkv*D, H] matrix and gate/up one [2*I, H] matrix, so a layer does four
@@ -6,6 +7,12 @@ matmuls. The residual stream is kept apart from each sub-layer's output and adde
 norm (`KernelOps.add_rmsnorm`), which is where the fused kernels save a pass over the hidden
 states. Norms follow HF's RMSNorm exactly (float32 statistics, cast back, then scale), so float32
 logits match transformers to ~1e-6.
+
+Gemma 3's layer (`GemmaDecoderLayer`) adds to this: norms that scale by 1 + weight in float32
+(`KernelOps.add_rmsnorm_offset`), norms on the attention and MLP outputs, an RMSNorm over each head
+of q and k before rotary, GeGLU, and local layers (a sliding window, their own rotary theta)
+between global ones; embeddings scaled by sqrt(H). Each layer attends with its window's plan
+(`StepPlan.for_window`) and rotates with its rotary's tables.
 
 This is the layer-by-layer route of a step (`forward.LayerByLayer`); the engine may run the same
 arithmetic by another (`forward`: the native family's one C call for the whole stack).
@@ -21,7 +28,7 @@ transformed after building (packed for oneDNN, quantized: `weight_transforms.tra
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -31,7 +38,7 @@ from .kernel_ops.base import KernelOps
 from .kernel_ops.torch_ops import TorchOps
 from .paged_cache import LayerKVCache
 from .rope import RotaryEmbedding
-from .step_plan import StepPlan
+from .step_plan import AttentionSpec, StepPlan
 from .weights import Embedding, Linear, frozen_parameter
 
 
@@ -45,6 +52,12 @@ class LayerWeights:
     o_bias: torch.Tensor | None
     gate_up: torch.Tensor  # [2*I, H]
     down: torch.Tensor  # [H, I]
+    # Gemma (`ModelConfig.sandwich_norms`, `qk_norm`); None elsewhere. (Its post_attention_norm
+    # is the attention output's norm, pre_feedforward_norm the MLP input's.)
+    pre_feedforward_norm: torch.Tensor | None = None  # [H]
+    post_feedforward_norm: torch.Tensor | None = None  # [H]
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -61,7 +74,7 @@ class DecoderLayer(nn.Module):
         c = config
         self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
-        self.scale = c.head_dim**-0.5
+        self.scale = c.attention_scale
         self.eps = c.rms_norm_eps
         self.input_norm = frozen_parameter(w.input_norm)
         self.post_attention_norm = frozen_parameter(w.post_attention_norm)
@@ -104,18 +117,76 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: every norm scales by 1 + weight in float32; the attention and MLP outputs
+    are normed before their residual add; q and k are normed per head before rotary; GeGLU."""
+
+    def __init__(self, config: ModelConfig, w: LayerWeights):
+        super().__init__(config, w)
+        assert w.pre_feedforward_norm is not None and w.post_feedforward_norm is not None
+        assert w.q_norm is not None and w.k_norm is not None
+        self.pre_feedforward_norm = frozen_parameter(w.pre_feedforward_norm)
+        self.post_feedforward_norm = frozen_parameter(w.post_feedforward_norm)
+        self.q_norm = frozen_parameter(w.q_norm)
+        self.k_norm = frozen_parameter(w.k_norm)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope,
+        plan: StepPlan,
+        cache: LayerKVCache,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t, eps = x.shape[0], self.eps
+        h, residual = ops.add_rmsnorm_offset(x, residual, self.input_norm, eps)
+        qkv = ops.linear(h, self.qkv)
+        q = qkv[:, : self.q_size].view(t, self.hq, self.d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
+        q = ops.add_rmsnorm_offset(q, None, self.q_norm, eps)[0]
+        k = ops.add_rmsnorm_offset(k, None, self.k_norm, eps)[0]
+        q, k = ops.rotary(q, k, rope)
+        ops.write_kv(k, v, cache, plan)
+        attn = ops.attend(q, k, v, cache, plan, self.scale)
+        x = ops.linear(attn.reshape(t, self.q_size), self.o_proj)
+        if self.all_reduce is not None:
+            x = self.all_reduce(x)
+        x = ops.add_rmsnorm_offset(x, None, self.post_attention_norm, eps)[0]
+
+        h, residual = ops.add_rmsnorm_offset(x, residual, self.pre_feedforward_norm, eps)
+        gate_up = ops.linear(h, self.gate_up)
+        act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
+        x = ops.linear(act, self.down)
+        if self.all_reduce is not None:
+            x = self.all_reduce(x)
+        return ops.add_rmsnorm_offset(x, None, self.post_feedforward_norm, eps)[0], residual
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps | None = None):
         super().__init__()
         self.config = config
         embed = Embedding(weights.embed)
         self.embed_tokens: nn.Module = embed  # another form after `weight_transforms.quantize_int8`
-        self.layers = nn.ModuleList(DecoderLayer(config, w) for w in weights.layers)
+        layer_type = GemmaDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_type(config, w) for w in weights.layers)
         self.norm = frozen_parameter(weights.norm)
         self.eps = config.rms_norm_eps
         head = embed.weight if weights.lm_head is None else weights.lm_head
         self.lm_head: nn.Module = Linear(head)  # another form after packing or quantizing
         self.rotary = RotaryEmbedding(config, device=weights.embed.device)
+        # the rotaries the layers use, and which one each layer takes (`uses_local_rotary`)
+        self.rotaries = [self.rotary]
+        if config.local_rope_theta is not None:
+            local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.rotaries.append(RotaryEmbedding(local, device=weights.embed.device))
+        self.layer_rotary = [
+            int(config.uses_local_rotary(n)) for n in range(config.num_hidden_layers)
+        ]
+        self.layer_windows = [config.layer_window(n) for n in range(config.num_hidden_layers)]
         self.dtype = weights.embed.dtype
         self.ops: KernelOps = ops or TorchOps()
         self.sharded = False
@@ -145,14 +216,32 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """The tokens' embeddings x [T, H] -> final-norm hidden states [T, H]."""
         ops = self.ops
-        rope = ops.rotary_tables(self.rotary, plan.positions, x.dtype)
+        ropes = [ops.rotary_tables(r, plan.positions, x.dtype) for r in self.rotaries]
+        scale = self.config.embedding_scale
+        if scale is not None:  # as HF: the scale rounded to float32, then to the model dtype
+            x = x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
         residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, plan, cache, ops)
+        for layer, cache, rotary, window in zip(
+            self.layers, kv_caches, self.layer_rotary, self.layer_windows
+        ):
+            x, residual = layer(x, residual, ropes[rotary], plan.for_window(window), cache, ops)
         return self.final_norm(x, residual)
+
+    def plan(self, layout: StepPlan, spec: AttentionSpec) -> StepPlan:
+        """A step's layout planned by the kernel family, once for each window the layers attend
+        with (`StepPlan.for_window`)."""
+        planned = self.ops.plan(layout, spec)
+        others = {
+            w: self.ops.plan(replace(layout, sliding_window=w), spec)
+            for w in dict.fromkeys(self.layer_windows)
+            if w != layout.sliding_window
+        }
+        return replace(planned, other_windows=others) if others else planned
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last layer's (x, residual) -> final-norm hidden states [T, H]."""
+        if self.config.norm_adds_one:
+            return self.ops.add_rmsnorm_offset(x, residual, self.norm, self.eps)[0]
         return self.ops.add_rmsnorm(x, residual, self.norm, self.eps)[0]
 
     @torch.inference_mode()
@@ -162,4 +251,8 @@ class CausalLM(nn.Module):
         The matmul runs in the model dtype (bf16 matmuls accumulate in float32 and round once at
         the end) and is then upcast, as vLLM and transformers do, rather than keeping a float32
         copy of the vocabulary matrix."""
-        return self.ops.linear(hidden, self.lm_head).float()
+        logits = self.ops.linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # (in float32; HF caps in the model dtype)
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -92,6 +92,12 @@ class ModelRunner:
                 "kv_cache_dtype='fp8' needs a CUDA device; use 'int8' on the CPU",
                 field="kv_cache_dtype",
             )
+        if model.ops.fixes_plain_layers_only and not config.plain_layers:
+            raise ConfigError(
+                f"deterministic mode runs the plain Llama layer only; the {config.architecture} "
+                "layer's extra norms and GELU have no fixed-order kernels yet",
+                field="deterministic",
+            )
         self.kv_caches = [
             LayerKVCache.allocate(shape, kv_dtype, self.device)
             for _ in range(config.num_hidden_layers)

@@ -16,7 +16,9 @@ engine, so the family decides once what to precompute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -112,6 +114,17 @@ class StepPlan:
     # the torch path's `attention.TorchAttentionPlan` (opaque here: that module builds on this one)
     torch_attention: object | None = None
     compact: CompactCache | None = None
+    # The same step planned for each other window some layers attend with (Gemma 3's global
+    # layers beside its local ones: `ModelConfig.layer_windows`), by window.
+    other_windows: Mapping[int | None, StepPlan] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+
+    def for_window(self, window: int | None) -> StepPlan:
+        """The step as planned for a layer that attends with `window`."""
+        if window == self.sliding_window:
+            return self
+        return self.other_windows[window]
 
     @property
     def spec(self) -> AttentionSpec:

@@ -53,6 +53,9 @@ def build(kind: str, **overrides):
     elif kind == "mistral":
         cfg = tf.MistralConfig(**kw)
         model = tf.MistralForCausalLM(cfg)
+    elif kind == "gemma3":
+        cfg = tf.Gemma3TextConfig(**{"head_dim": 16, **kw})  # (its default head_dim is 256)
+        model = tf.Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(kind)
     randomize(model)
@@ -106,12 +109,13 @@ def garbage_caches(config, num_blocks, dtype=torch.float32):
 def plan_for(
     model: CausalLM, caches, query_lens, seq_lens, tables, sliding_window=None
 ) -> StepPlan:
-    """The step's plan on the model's kernels, as the model runner builds it."""
+    """The step's plan on the model's kernels (for each window its layers attend with), as the
+    model runner builds it."""
     cache = caches[0]
     layout = build_step_plan(
         query_lens, seq_lens, tables, cache.k.shape[2], cache.k.device, sliding_window
     )
-    return model.ops.plan(layout, AttentionSpec.of(model.config, model.dtype, cache))
+    return model.plan(layout, AttentionSpec.of(model.config, model.dtype, cache))
 
 
 def step_plan(lengths):

@@ -1,6 +1,6 @@
 """GGUF loading: dequantization against our own float64 decoders of the block formats, llama.cpp's
-Q/K permutation, tiny models written with gguf.GGUFWriter, and the default SmolLM2 file against
-transformers' own GGUF loader."""
+Q/K permutation, tiny models written with gguf.GGUFWriter, and the default SmolLM2 file and the
+Gemma 3 270M file (where installed) against transformers' own GGUF loader."""
 
 from __future__ import annotations
 
@@ -237,11 +237,25 @@ _GGUF_LAYER = {
 }
 
 
+# Gemma 3's four norms and QK-norm (its ffn_norm is the MLP input's)
+_GGUF_GEMMA3_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
 def write_gguf(
     path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: bool = False, override=None
 ):
-    """Write a HF model as llama.cpp's converter would (names, Q/K permutation for llama)."""
+    """Write a HF model as llama.cpp's converter would (names, Q/K permutation for llama, Gemma's
+    norm weights with its 1 added)."""
     c = hf.config
+    gemma3 = arch == "gemma3"
+    layer_names = _GGUF_GEMMA3_LAYER if gemma3 else _GGUF_LAYER
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -250,10 +264,15 @@ def write_gguf(
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters["full_attention"] if gemma3 else c.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_dimension_count(
         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     )
+    if gemma3:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_sliding_window(c.sliding_window)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     for name, t in hf.state_dict().items():
         t = t.float().numpy()
@@ -262,7 +281,7 @@ def write_gguf(
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{_GGUF_LAYER[module]}.{kind}"
+            gname = f"blk.{i}.{layer_names[module]}.{kind}"
             if arch == "llama" and module == "self_attn.q_proj":
                 t = permute_qk(t, c.num_attention_heads)
             if arch == "llama" and module == "self_attn.k_proj":
@@ -273,6 +292,8 @@ def write_gguf(
                 "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight",
             }[name]
+        if gemma3 and name.endswith("norm.weight"):
+            t = t + 1.0
         if override and gname in override:
             t = override[gname](t)
         if isinstance(t, tuple):
@@ -331,6 +352,24 @@ def test_tiny_qwen2_gguf_bias_tied(tmp_path):
     loaded = load_model(tmp_path, load_tokenizer=False)  # a directory holding one .gguf file
     assert loaded.config.architecture == "qwen2" and loaded.config.attention_bias
     assert loaded.config.tie_word_embeddings
+    _check_against_hf(hf, loaded)
+
+
+def test_tiny_gemma3_gguf(tmp_path):
+    # llama.cpp's defaults for a file that does not say: every 6th layer global, the local
+    # layers' theta 10000, queries scaled by head_dim**-0.5
+    hf = build(
+        "gemma3", num_hidden_layers=7, sliding_window=4, query_pre_attn_scalar=16, head_dim=16
+    )
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, hf, "gemma3")
+    loaded = load_model(path, load_tokenizer=False)
+    cfg = loaded.config
+    assert cfg.architecture == "gemma3" and cfg.tie_word_embeddings
+    assert cfg.layer_windows == (4, 4, 4, 4, 4, None, 4) and cfg.local_rope_theta == 1e4
+    # the norms are back in HF's form (the file holds 1 + weight)
+    name = "model.layers.0.pre_feedforward_layernorm.weight"
+    assert torch.allclose(loaded.tensors[name], hf.state_dict()[name], atol=1e-6)
     _check_against_hf(hf, loaded)
 
 
@@ -550,6 +589,59 @@ def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatc
             want = hf(torch.tensor([p])).logits[0, -1]
             assert rel_err(ours[i], want) <= 1e-4
             assert ours[i].argmax() == want.argmax()
+
+
+# ---------------------------------------------------------------- the Gemma 3 270M file
+
+# "<bos>The capital of France is" by the file's own (SentencePiece) tokenizer
+GEMMA3_PROMPT = [2, 818, 5279, 529, 7001, 563]
+GEMMA3_NEW_TOKENS = 16
+
+
+@pytest.mark.slow
+def test_gemma3_270m_greedy_tokens_match_transformers_gguf_loader(monkeypatch):
+    """The file as the engine runs it (Q5_0, Q4_K, Q6_K, Q8_0 dequantized to float32) and as
+    transformers loads it (the same numpy dequantization): the same 16 greedy tokens in float32,
+    on the torch family and on the CPU default."""
+    import dataclasses
+    import functools
+
+    from transformers import AutoModelForCausalLM
+
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.engine import LLMEngine
+    from sluice.engine.loader import catalog
+    from sluice.engine.loader.gguf import open_gguf
+    from sluice.engine.sampling_params import SamplingParams
+
+    try:
+        path = catalog.locate("gemma3-270m")
+    except EngineError as e:
+        pytest.skip(f"the Gemma 3 270M file is not installed (sluice models pull gemma3-270m): {e}")
+    loaded = load_model(path, load_tokenizer=False)
+    assert loaded.config.architecture == "gemma3"
+    params = SamplingParams(temperature=0, max_tokens=GEMMA3_NEW_TOKENS, ignore_eos=True)
+    ours = {}
+    for kernels in ("torch", "auto"):
+        # (an engine empties the dict it was given once its model holds the weights)
+        mine = dataclasses.replace(loaded, tensors=dict(loaded.tensors))
+        e = LLMEngine(config=EngineConfig(kernels=kernels, kv_cache_bytes=64 << 20), loaded=mine)
+        ours[kernels] = e.generate(prompt_token_ids=[GEMMA3_PROMPT], params=params)[0].token_ids
+    pieces = open_gguf(path).fields["tokenizer.ggml.tokens"]
+    text = "".join(pieces[t] for t in ours["torch"]).replace("\u2581", " ")
+    assert "France" in text, text  # sensible: it goes on about France
+
+    # Speed only: gguf's name map, which transformers rebuilds for each submodule
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([GEMMA3_PROMPT]), max_new_tokens=GEMMA3_NEW_TOKENS, do_sample=False
+        )
+    theirs = out[0, len(GEMMA3_PROMPT) :].tolist()
+    assert ours["torch"] == theirs and ours["auto"] == theirs
 
 
 # ---------------------------------------------------------------- errors

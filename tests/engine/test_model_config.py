@@ -90,3 +90,82 @@ def test_engine_config_dtype():
     with pytest.raises(EngineError) as e:
         _ = EngineConfig(dtype="int3").torch_dtype
     assert e.value.field == "dtype"
+
+
+# A Gemma 3 270M-shaped config.json in the transformers 4 spelling (no layer_types: every
+# sliding_window_pattern-th layer is global, the pattern's default being 6)
+GEMMA3_V4 = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "max_position_embeddings": 32768,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+
+
+def test_gemma3_local_and_global_layers():
+    c = ModelConfig.from_hf_dict(GEMMA3_V4)
+    assert c.architecture == "gemma3" and c.head_dim == 256 and c.q_size == 1024
+    assert c.tie_word_embeddings and not c.attention_bias and c.hidden_act == "gelu_pytorch_tanh"
+    globals_ = [n for n in range(18) if c.layer_window(n) is None]
+    assert globals_ == [5, 11, 17]
+    assert all(c.layer_window(n) == 512 for n in range(18) if n not in globals_)
+    assert c.sliding_window == 512 and c.other_windows == (None,)
+    assert c.uses_local_rotary(0) and not c.uses_local_rotary(5)
+    assert c.rope_theta == 1e6 and c.local_rope_theta == 1e4 and c.rope_scaling is None
+    assert c.attention_scale == 256**-0.5 and c.embedding_scale == 640**0.5
+    assert c.norm_adds_one and c.sandwich_norms and c.qk_norm and not c.plain_layers
+    assert c.final_logit_softcapping is None and c.eos_token_ids == (1,)
+
+
+def test_gemma3_transformers_5_spelling():
+    d = {
+        k: v
+        for k, v in GEMMA3_V4.items()
+        if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")
+    }
+    d["rope_parameters"] = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    }
+    d["layer_types"] = ["sliding_attention"] * 3 + ["full_attention"]
+    d["num_hidden_layers"] = 4
+    d["query_pre_attn_scalar"] = 168
+    c = ModelConfig.from_hf_dict(d)
+    assert c.layer_windows == (512, 512, 512, None)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert c.rope_theta == 1e6 and c.local_rope_theta == 1e4
+    assert c.attention_scale == 168**-0.5
+
+
+def test_gemma3_refusals_and_plain_families():
+    for key, value in [
+        ("attn_logit_softcapping", 50.0),
+        ("use_bidirectional_attention", True),
+        ("layer_types", ["full_attention"] * 3),  # not one per layer
+        ("hidden_activation", "relu"),
+    ]:
+        with pytest.raises(EngineError) as e:
+            ModelConfig.from_hf_dict({**GEMMA3_V4, key: value})
+        assert e.value.field == key
+    # GELU is Gemma's: a Llama config asking for it is still refused
+    with pytest.raises(EngineError):
+        ModelConfig.from_hf_dict({**LLAMA31_V4, "hidden_act": "gelu_pytorch_tanh"})
+    llama = ModelConfig.from_hf_dict(LLAMA31_V4)
+    assert llama.plain_layers and llama.other_windows == () and llama.attention_scale == 128**-0.5

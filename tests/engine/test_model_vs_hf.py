@@ -62,6 +62,35 @@ CASES = {
     ),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "head_dim": 16}),
     "mistral_no_window": ("mistral", {"sliding_window": None, "head_dim": 16}),
+    # local layers (window 6, shorter than most prompts) between global ones; q/k scaled by
+    # query_pre_attn_scalar**-0.5, not head_dim**-0.5
+    "gemma3_local_global": (
+        "gemma3",
+        {
+            "num_hidden_layers": 5,
+            "sliding_window": 6,
+            "sliding_window_pattern": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    # the global layers' rotary scaled, Gemma 2's final logit capping, layer kinds by name
+    "gemma3_scaled_rope_capped_logits": (
+        "gemma3",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 4,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
@@ -73,10 +102,11 @@ def test_flat_batch_matches_transformers(case, tmp_path):
     loaded = load_model(tmp_path, load_tokenizer=False)
     cfg = loaded.config
     assert cfg.architecture == kind
-    if kind == "mistral":
+    if kind in ("mistral", "gemma3"):
         assert cfg.sliding_window == overrides["sliding_window"]
     if "tie_word_embeddings" in overrides:
-        assert cfg.tie_word_embeddings and "lm_head.weight" not in loaded.tensors
+        tied = overrides["tie_word_embeddings"]
+        assert cfg.tie_word_embeddings == tied and ("lm_head.weight" in loaded.tensors) != tied
     model = build_model(cfg, loaded.tensors, torch.float32, "cpu")
 
     prompts = make_prompts(cfg.vocab_size)

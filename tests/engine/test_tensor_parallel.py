@@ -128,8 +128,20 @@ def run_ranks(world_size: int, fn):
     [
         ("qwen2", QWEN2),  # qkv bias sharded with its rows
         ("llama", {**QWEN2, "attention_bias": True}),  # o_proj bias: added once
+        # QK-norm over each rank's heads, the attention output's norm after the all-reduce,
+        # local layers between global ones
+        (
+            "gemma3",
+            {
+                **QWEN2,
+                "num_hidden_layers": 4,
+                "sliding_window": 5,
+                "sliding_window_pattern": 2,
+                "query_pre_attn_scalar": 24,
+            },
+        ),
     ],
-    ids=["qwen2-qkv-bias", "llama-o-proj-bias"],
+    ids=["qwen2-qkv-bias", "llama-o-proj-bias", "gemma3-local-global"],
 )
 def test_sharded_ranks_give_the_unsharded_logits(tmp_path, kind, overrides):
     """Prompt logits through three steps (chunked prefill, then a decode) over a paged cache: the
@@ -141,7 +153,8 @@ def test_sharded_ranks_give_the_unsharded_logits(tmp_path, kind, overrides):
     whole = build_model(config, tensors, ops=TorchOps())
     prompts = make_prompts(config.vocab_size)
     tables = shuffled_tables([len(p) for p in prompts], 64)
-    want = run_in_steps(whole, prompts, tables, garbage_caches(config, 64))
+    window = config.sliding_window
+    want = run_in_steps(whole, prompts, tables, garbage_caches(config, 64), window)
     for world_size in (2, 3):
         plan = ShardPlan.of(config, world_size)
 
@@ -149,7 +162,7 @@ def test_sharded_ranks_give_the_unsharded_logits(tmp_path, kind, overrides):
             part = plan.rank_config(group.rank)
             model = build_model(part, plan.rank_tensors(tensors, group.rank), ops=TorchOps())
             model.shard(group.all_reduce)
-            return run_in_steps(model, prompts, tables, garbage_caches(part, 64))
+            return run_in_steps(model, prompts, tables, garbage_caches(part, 64), window)
 
         for got in run_ranks(world_size, rank):
             for g, w in zip(got, want):

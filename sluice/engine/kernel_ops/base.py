@@ -53,6 +53,10 @@ class KernelOps(ABC):
     # Whether, where its layers run as one native call, a step of decodes only may go from token
     # ids to logits in one call too (`cpu_kernels.decode_forward`)
     decodes_in_one_call: ClassVar[bool] = False
+    # Whether the bits it promises (a deterministic family's) hold for the plain Llama layer
+    # alone: what other layers add (Gemma's norms, GELU) runs through torch, whose vector and
+    # scalar code may round an element differently by its place in the tensor
+    fixes_plain_layers_only: ClassVar[bool] = False
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back
@@ -89,6 +93,16 @@ class KernelOps(ABC):
         """(weight * rmsnorm(x + residual), x + residual); residual None: (weight * rmsnorm(x),
         x)."""
 
+    def add_rmsnorm_offset(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `add_rmsnorm`, scaled by 1 + weight, the scaling in float32 before the cast back
+        (Gemma's RMSNorm, as transformers computes it); over the last dimension of x."""
+        r = x if residual is None else x + residual
+        r32 = r.to(torch.float32)
+        normed = r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps)
+        return (normed * (1.0 + weight.to(torch.float32))).to(x.dtype), r
+
     @abstractmethod
     def rotary_tables(
         self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype
@@ -104,6 +118,12 @@ class KernelOps(ABC):
     @abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] (gate | up) -> gelu(gate) * up [T, I], GELU by its tanh approximation
+        (GeGLU)."""
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
 
     @abstractmethod
     def linear(self, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:

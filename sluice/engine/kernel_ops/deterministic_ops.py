@@ -40,6 +40,7 @@ class DeterministicOps(NativeOps):
     weight_layout = "fixed-order"
     measures_widening = False  # (its int8 steps are never widened: the same bits at every size)
     decodes_in_one_call = False  # decodes go through the prefill kernel (`plan`)
+    fixes_plain_layers_only = True
 
     def check(self, spec: AttentionSpec) -> None:
         served, prefill_served = c_attention_served(spec)

@@ -41,6 +41,7 @@ class DeterministicTritonOps(ChunkedRope, TritonOps):
     weight_layout = "plain"
     quantizations = ()
     captures_decode_graphs = False  # (a graph is the default family's decode step)
+    fixes_plain_layers_only = True
 
     def check(self, spec: AttentionSpec) -> None:
         if spec.quantized_cache:

@@ -2,19 +2,22 @@
 and the layers' 4-bit matrices also kept as their own blocks (`gguf_blocks`) for int4 weights.
 
 GGUF names map to HF names; llama-family files store the Q and K projection rows permuted for
-llama.cpp's interleaved rotary, which `unpermute_qk` undoes (Qwen2 files use the HF layout already).
+llama.cpp's interleaved rotary, which `unpermute_qk` undoes (Qwen2 and Gemma 3 files use the HF
+layout already). llama.cpp's converter stores Gemma's norm weights as the scale itself (1 + the
+HF weight), which `load_gguf` turns back into HF's form.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..config import ModelConfig, torch_dtype
+from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
 from ..errors import ModelError
 from .gguf_blocks import FOUR_BIT_TYPES, int4_blocks
 from .tensor_names import check_tensors
@@ -36,9 +39,11 @@ SUPPORTED_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
 # llama.cpp's converter permutes Q/K rows for these architectures only
 PERMUTED_QK = {"llama"}
+# ... and stores RMSNorm weights with Gemma's 1 added for these
+NORMS_PLUS_ONE = {"gemma3"}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -56,16 +61,32 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's layer has four norms and QK-norm; its ffn_norm is the MLP input's norm
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+# llama.cpp's Gemma 3 constants where the file carries no metadata of its own
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+GEMMA3_27B_LAYERS = 62  # whose queries are scaled by (hidden / heads)**-0.5, not head_dim**-0.5
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF tensor name for a GGUF tensor name (None for tensors the model does not use)."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
+    """HF tensor name for a GGUF tensor name of a file of `architecture` (GGUF's name for it;
+    None for tensors the model does not use)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    layer_names = _LAYER_NAMES_BY_ARCHITECTURE.get(architecture, _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -197,7 +218,37 @@ def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
         bos_token_id=m.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
     )
+    if gguf_arch == "gemma3":
+        config = _gemma3_config(config, m)
     return config, gguf_arch
+
+
+def _gemma3_config(config: ModelConfig, m: _Meta) -> ModelConfig:
+    """Gemma 3's local and global layers, as llama.cpp runs the file: every
+    sliding_window_pattern-th layer global (6 where the file does not say), the local layers'
+    rotary theta 10000 (where the file does not say), queries scaled by head_dim**-0.5 except in
+    the 27B model."""
+    a = "gemma3"
+    layers = config.num_hidden_layers
+    pattern = int(m.get(f"{a}.attention.sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
+    window = m.get(f"{a}.attention.sliding_window")
+    query_scalar = config.head_dim
+    if layers == GEMMA3_27B_LAYERS:
+        query_scalar = config.hidden_size // config.num_attention_heads
+    cap = m.get(f"{a}.final_logit_softcapping")
+    return replace(
+        config,
+        hidden_act="gelu_pytorch_tanh",
+        max_position_embeddings=int(m.get(f"{a}.context_length") or 131072),
+        **gemma3_fields(
+            config.hidden_size,
+            gemma3_layer_kinds(layers, pattern),
+            int(window) if window else None,
+            float(m.get(f"{a}.rope.freq_base_swa") or GEMMA3_LOCAL_ROPE_THETA),
+            float(query_scalar),
+            float(cap) if cap else None,
+        ),
+    )
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -221,7 +272,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
 
     tensors, types, blocks = {}, {}, {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, gguf_arch)
         if name is None:
             continue
         stored = None
@@ -246,6 +297,8 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
                 w = unpermute_qk(w, heads)
                 if stored is not None:
                     stored = stored.rows_permuted(lambda a, h=heads: unpermute_qk(a, h))
+        if gguf_arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            w = w - 1.0  # back to HF's weight, which the norm adds 1 to
         w = np.asarray(w, dtype=np.float32)
         if not (w.flags.c_contiguous and w.flags.writeable):  # F32 tensors view the file's map
             w = np.array(w, order="C")

@@ -46,6 +46,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             )
         if c.o_proj_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if c.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
     return shapes
 
 
@@ -97,6 +103,9 @@ def model_weights(
     def cat(*names: str) -> torch.Tensor:
         return torch.cat([get(n) for n in names])
 
+    def optional(name: str, present: bool) -> torch.Tensor | None:
+        return get(name) if present else None
+
     layers = []
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
@@ -114,6 +123,14 @@ def model_weights(
                 o_bias=get(a + "o_proj.bias") if config.o_proj_bias else None,
                 gate_up=cat(*(f"{p}{part}.weight" for part in PROJECTION_PARTS["gate_up"])),
                 down=get(p + "mlp.down_proj.weight"),
+                pre_feedforward_norm=optional(
+                    p + "pre_feedforward_layernorm.weight", config.sandwich_norms
+                ),
+                post_feedforward_norm=optional(
+                    p + "post_feedforward_layernorm.weight", config.sandwich_norms
+                ),
+                q_norm=optional(a + "q_norm.weight", config.qk_norm),
+                k_norm=optional(a + "k_norm.weight", config.qk_norm),
             )
         )
     lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
