@@ -5,6 +5,8 @@ tensors let go (the model holds its own fused, cast copies)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,8 @@ def prepare_model(
     group = None
     if workers is not None:
         group = workers.start(loaded.tensors, config, ops.name, num_blocks, loaded.source)
+    # (before the model takes the tensors: weights built in memory are hashed as tensors)
+    weights_hash = weights_sha256(loaded.source, loaded.tensors)
     model = build_model(
         rank_config,
         loaded.tensors if shards is None else shards.rank_tensors(loaded.tensors, 0),
@@ -55,11 +59,23 @@ def prepare_model(
         # whole matrices)
         int4_blocks=loaded.int4_blocks if shards is None else None,
         stored_types=loaded.stored_types if shards is None else None,
+        take_tensors=shards is None,
     )
     if workers is None:
         startup.choose_widening(config, ops, model)
     startup.hint_stored_quantization(config, loaded, ops)
-    weights_hash = weights_sha256(loaded.source, loaded.tensors)
     loaded.tensors = {}
     loaded.int4_blocks = {}
+    _give_back_freed_memory()
     return EngineModel(config, model, rank_config, num_blocks, weights_hash, group)
+
+
+def _give_back_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps what the load's float copies
+    and temporaries freed: a 1.5B model's process stayed 2.5 GB larger than it needs)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return
+    trim(0)

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import build_model, load_model
+from sluice.engine.loader import gguf as gguf_loader
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
 from sluice.engine.loader.gguf_blocks import int4_blocks
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
@@ -146,8 +147,11 @@ def _raw_tensor(qtype: Q, shape, rng) -> tuple[np.ndarray, np.ndarray | None]:
     return raw.reshape(shape[0], -1), None
 
 
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "in-slices-of-rows"])
 @pytest.mark.parametrize("name", SUPPORTED_TYPES)
-def test_dequantize_matches_reference(name, tmp_path):
+def test_dequantize_matches_reference(name, sliced, tmp_path, monkeypatch):
+    if sliced:  # as a vocabulary matrix is dequantized
+        monkeypatch.setattr(gguf_loader, "ROWS_AT_A_TIME", 2)
     qtype = Q[name]
     rng = np.random.default_rng(0)
     shape = (3, 512)

@@ -57,12 +57,29 @@ def _blocks(weight: torch.Tensor) -> torch.Tensor:
     return w.view(n, nb, BLOCK)
 
 
+# Rows quantized at a time: a vocabulary matrix (150k rows and more) quantized whole would hold a
+# few float32 temporaries of its own size, gigabytes, for the moment it takes.
+ROWS_AT_A_TIME = 8192
+
+
+def _by_rows(quantize, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`quantize` (row by row independent) over `weight` in slices of rows, joined."""
+    if weight.dim() != 2 or weight.shape[0] <= ROWS_AT_A_TIME:
+        return quantize(weight)
+    parts = [quantize(rows) for rows in weight.split(ROWS_AT_A_TIME)]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
 def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes of a [N, K] float weight, per block of 32 along K, by GGUF's Q8_0 rule
     (llama.cpp's reference quantizer), so a float model quantized here has the codes llama.cpp
     would write: d = absmax / 127 in float32, codes round-half-away(w * (1 / d)), the scale stored
     as float16(d); an all-zero block gets scale 0 and zero codes.
     Returns (codes int8 [N, Kp], scales float16 [N, Kp / 32])."""
+    return _by_rows(_quantize_blocks, weight)  # type: ignore[return-value]
+
+
+def _quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = _blocks(weight)
     n = blocks.shape[0]
     d = blocks.abs().amax(dim=2, keepdim=True) / QMAX
@@ -85,6 +102,10 @@ def quantize_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     (llama.cpp's reference quantizer): m = the block's minimum, d = (max - m) / 15 in float32,
     codes min(15, floor((w - m) * (1 / d) + 0.5)); d and m stored as float16.
     Returns (codes uint8 [N, Kp] in 0..15, d float16 [N, Kp / 32], m float16 [N, Kp / 32])."""
+    return _by_rows(_quantize_q4_blocks, weight)  # type: ignore[return-value]
+
+
+def _quantize_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     blocks = _blocks(weight)
     n = blocks.shape[0]
     lo = blocks.amin(dim=2, keepdim=True)

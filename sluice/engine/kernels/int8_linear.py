@@ -43,12 +43,19 @@ _FP16_MIN_NORMAL = 2.0**-14  # the fused op takes the scale in x's dtype: keep f
 _CHUNK_ELEMS = 1 << 20  # weights above this many elements are converted in slices of rows
 
 
+# Rows quantized at a time (each row's codes depend on that row alone).
+ROWS_AT_A_TIME = 8192
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8 codes and float32 scales of a [N, K] float weight."""
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(
             f"weight must be a 2-D float tensor [N, K], got {tuple(weight.shape)} {weight.dtype}"
         )
+    if weight.shape[0] > ROWS_AT_A_TIME:  # a vocabulary matrix: its temporaries a slice at a time
+        parts = [quantize_int8(rows) for rows in weight.split(ROWS_AT_A_TIME)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
     w = weight.to(torch.float32)
     if w.shape[1] == 0:
         scale = torch.full((w.shape[0],), SCALE_FLOOR, dtype=torch.float32, device=w.device)

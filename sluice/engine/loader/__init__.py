@@ -107,13 +107,17 @@ def build_model(
     source: str = "state dict",
     int4_blocks: Mapping[str, Int4Blocks] | None = None,
     stored_types: Mapping[str, str] | None = None,
+    take_tensors: bool = False,
 ) -> CausalLM:
-    """The model, ready to run, from HF-named tensors (cast and moved; the dict is not changed):
+    """The model, ready to run, from HF-named tensors (cast and moved):
     shapes checked, weights built, then transformed as the engine runs them (quantized when
     `quantization` is "int8", else packed in the layout the kernel family reads:
     `transform_weights`). With int4 weights, a projection whose matrices all come with the file's
     own 4-bit blocks (`int4_blocks`, by HF name) is built from those, and one with a matrix the
-    file stored in more than 4 bits (`stored_types`, GGUF type by HF name) is int8."""
+    file stored in more than 4 bits (`stored_types`, GGUF type by HF name) is int8.
+
+    `take_tensors`: the tensors are taken out of the dict as the model takes them (an engine
+    keeps nothing of what it loaded), which halves the peak memory of a start."""
     from ..config import torch_dtype
     from ..model import CausalLM
     from ..weight_transforms import cast_unquantized, transform_weights
@@ -122,7 +126,8 @@ def build_model(
     check_tensors(config, tensors, source)
     target = torch_dtype(dtype)
     built = _quantized_from(tensors, target) if quantization else target
-    model = CausalLM(config, model_weights(config, tensors, built, device), ops).eval()
+    weights = model_weights(config, tensors, built, device, take=take_tensors)
+    model = CausalLM(config, weights, ops).eval()
     stored = None
     if quantization == "int4":
         stored = _stored_projections(config, int4_blocks or {}, stored_types or {})

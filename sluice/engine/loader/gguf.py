@@ -39,6 +39,8 @@ SUPPORTED_TYPES = (
     "Q5_K",
     "Q6_K",
 )
+ROWS_AT_A_TIME = 8192  # of a large matrix, dequantized at a time
+
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
 # llama.cpp's converter permutes Q/K rows for these architectures only
 PERMUTED_QK = {"llama"}
@@ -116,7 +118,16 @@ def dequantize(tensor: Any, source: str = "gguf") -> np.ndarray:
             field=tensor.name,
         )
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
-    return np.asarray(gguf.quants.dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+    data = np.asarray(tensor.data)
+    if len(shape) != 2 or shape[0] <= ROWS_AT_A_TIME or data.ndim != 2:
+        return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float32).reshape(shape)
+    # A vocabulary matrix, a slice of rows at a time: whole, gguf's float temporaries would be a
+    # few times its float32 size.
+    out = np.empty(shape, dtype=np.float32)
+    for start in range(0, shape[0], ROWS_AT_A_TIME):
+        rows = data[start : start + ROWS_AT_A_TIME]
+        out[start : start + len(rows)] = gguf.quants.dequantize(rows, qtype).reshape(len(rows), -1)
+    return out
 
 
 class _Meta:

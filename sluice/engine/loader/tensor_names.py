@@ -94,11 +94,15 @@ def model_weights(
     tensors: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str,
+    *,
+    take: bool = False,
 ) -> ModelWeights:
-    """The model's weights from checked HF-named tensors, cast and moved (the dict is unchanged)."""
+    """The model's weights from checked HF-named tensors, cast and moved. The dict is unchanged,
+    or with `take` each tensor is taken out of it as it is used, so that a part of a fused matrix
+    is freed as soon as the fused copy exists rather than when the whole model is built."""
 
     def get(name: str) -> torch.Tensor:
-        return tensors[name].to(device=device, dtype=dtype)
+        return (tensors.pop(name) if take else tensors[name]).to(device=device, dtype=dtype)
 
     def cat(*names: str) -> torch.Tensor:
         return torch.cat([get(n) for n in names])

@@ -299,3 +299,18 @@ def test_a_widened_weight_is_the_dequantized_weight(n, k, dtype, bits):
     got = widen_blocks(packed, dtype)
     assert got.shape == (n, k) and got.dtype == dtype
     assert torch.equal(got, want.to(dtype))
+
+
+def test_a_matrix_quantized_a_slice_of_rows_at_a_time_gets_the_codes_of_it_whole(monkeypatch):
+    # (a vocabulary matrix is quantized in slices, to bound the start's memory)
+    from sluice.engine.cpu_kernels import block_int8_linear as blocks
+    from sluice.engine.kernels import int8_linear
+
+    weight = torch.randn(45, 70, generator=torch.Generator().manual_seed(3))
+    quantizers = (quantize_blocks, quantize_q4_blocks, int8_linear.quantize_int8)
+    whole = [quantize(weight) for quantize in quantizers]
+    monkeypatch.setattr(blocks, "ROWS_AT_A_TIME", 8)
+    monkeypatch.setattr(int8_linear, "ROWS_AT_A_TIME", 8)
+    sliced = [quantize(weight) for quantize in quantizers]
+    for a, b in zip(whole, sliced):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
