@@ -217,3 +217,22 @@ def test_gemma3_file_has_no_chat_template(gemma):
         ours.apply_chat_template(chat)
     with pytest.raises(ValueError):
         theirs.apply_chat_template(chat, tokenize=False)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_runs_whole_from_its_file():
+    """The file loads with its tokenizer (catalog: served) and greedily goes on about France."""
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.engine import LLMEngine
+    from sluice.engine.sampling_params import SamplingParams
+
+    try:
+        path = catalog.locate("gemma3-270m")
+    except EngineError as e:
+        pytest.skip(f"the Gemma 3 270M file is not installed (sluice models pull gemma3-270m): {e}")
+    assert catalog.MODELS["gemma3-270m"].served
+    engine = LLMEngine(str(path), config=EngineConfig(kv_cache_bytes=64 << 20))
+    params = SamplingParams(max_tokens=16, temperature=0)
+    out = engine.generate(["The capital of France is"], params=params)[0]
+    assert "France" in out.text, out.text
+    assert out.text == engine.tokenizer.decode(out.token_ids)
