@@ -382,7 +382,11 @@ def _sentencepiece_bpe_from_gguf(
     into spaces and byte pieces into bytes, so decoding gives the text back exactly."""
     gemma = str(meta.get("general.architecture") or "").startswith("gemma")
     if gemma:
-        tokens = [_SPM_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+        # (plain pieces then, found after spaces became "\u2581", not added tokens matched in the
+        # raw text, where only a literal "\u2581\u2581" could match them)
+        runs = {i for i, t in enumerate(tokens) if t and not t.strip(" ")}
+        tokens = [_SPM_SPACE * len(t) if i in runs else t for i, t in enumerate(tokens)]
+        token_types = [1 if i in runs else ty for i, ty in enumerate(token_types)]
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)

@@ -8,6 +8,8 @@ import gguf
 import pytest
 import tokenizers
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import models, normalizers, trainers
 
 from sluice.engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +32,7 @@ TEXTS = [
     "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n",
     "a<end_of_turn>b<eos>c<table><tr>",
     "\u2581literal\u2581lower\u2581blocks\u2581",
+    " \u2581\u2581  mixed\u2581 ",
     "",
     " ",
     "\n",
@@ -189,6 +192,28 @@ def test_gemma3_tokenizer_matches_transformers(gemma):
     for text in TEXTS:
         _check_same_as_transformers(ours, theirs, text)
         _check_streams_back(ours, text)
+
+
+# Any characters, mixed with runs of spaces, newlines, "\u2581" and control tokens
+_random_text = st.lists(
+    st.one_of(
+        st.characters(exclude_categories=("Cs",)),
+        st.sampled_from(["  ", "\n", "\t", "\u2581", "<start_of_turn>", "<end_of_turn>", "<b>"]),
+    ),
+    max_size=40,
+).map("".join)
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=_random_text)
+def test_gemma3_random_text_matches_transformers(gemma, text):
+    ours, theirs = gemma
+    ids = ours.encode(text, add_special_tokens=False)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids, False) == _spm_text(ours, text) == theirs.decode(ids)
 
 
 @pytest.mark.slow
