@@ -13,6 +13,9 @@ One `Tokenizer` class wraps a `tokenizers` fast tokenizer, whichever way it was 
   transformers' GGUF loader (5.x) leaves the digit split out. Its ids then differ where whitespace
   runs precede a digit ("\n\n1." -> "\n", "\n", "1" there; "\n\n", "1" here and in training) or
   around non-ASCII numerals; everywhere else they are the same.
+  A SentencePiece vocabulary (tokenizer.ggml.model "llama": Gemma, Llama 2) becomes a BPE with
+  byte fallback: spaces are "\u2581", the merges follow from the vocabulary where the file has none
+  (Gemma's), control and user-defined tokens (<start_of_turn>, "\n", ...) are matched whole.
 
 The detokenizer needs each token's raw bytes (a byte-level token may hold half a UTF-8 character);
 `token_bytes` provides them, built once from the vocabulary.
@@ -32,7 +35,15 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from sluice.engine.errors import EngineError, ModelError
 
@@ -41,6 +52,7 @@ log = logging.getLogger(__name__)
 # GGUF token types (llama.cpp's llama_token_type).
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
+_SPM_SPACE = "\u2581"  # how SentencePiece spells a space
 
 # Special tokens that end a generation in the chat models we know, besides the declared eos:
 # a chat model ends its turn with these, a base model may emit an end-of-text marker instead.
@@ -191,44 +203,16 @@ class Tokenizer:
         """Same as `from_gguf`, from `reader.fields` or from a dict of already-decoded values."""
         meta = _GGUFMeta(fields, path or "gguf")
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        build = _GGUF_TOKENIZER_MODELS.get(kind)
+        if build is None:
             raise ModelError(
-                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)",
+                f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece BPE)",
                 "tokenizer.ggml.model",
             )
         tokens: list[str] = meta.require("tokenizer.ggml.tokens")
-        merges: list[str] = meta.require("tokenizer.ggml.merges")
         token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        pre = meta.get("tokenizer.ggml.pre") or "default"
-
-        vocab: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)
-        split = _GGUF_PRE_TOKENIZERS.get(pre)
-        if split is None:
-            log.warning("GGUF pre-tokenizer %r unknown; using GPT-2's word split", pre)
-            split = "gpt2"
-        bpe = models.BPE(
-            vocab=vocab,
-            merges=[_merge_pair(m) for m in merges],
-            ignore_merges=split in _IGNORE_MERGES,
-        )
-        backend = tokenizers.Tokenizer(bpe)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(split)
-        backend.decoder = decoders.ByteLevel()
-
-        # Control tokens (<|im_start|>, ...) are matched whole in text and are "special" (skipped on
-        # decode); user-defined ones are matched whole but kept. A control token spelled outside the
-        # byte alphabet is a mislabel in the file; adding it would grow the vocabulary, so skip it.
-        alphabet = set(_unicode_to_byte())
-        special, user = [], []
-        for t, ty in zip(tokens, token_types):
-            if ty == _GGUF_CONTROL and set(t) <= alphabet:
-                special.append(AddedToken(t, special=True, normalized=False))
-            elif ty == _GGUF_USER_DEFINED:
-                user.append(AddedToken(t, special=False, normalized=False))
-        backend.add_special_tokens(special)
-        backend.add_tokens(user)
+        backend = build(meta, tokens, token_types)
 
         bos_id = meta.get("tokenizer.ggml.bos_token_id")
         eos_id = meta.get("tokenizer.ggml.eos_token_id")
@@ -352,6 +336,142 @@ def _byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def _byte_level_bpe_from_gguf(
+    meta: _GGUFMeta, tokens: list[str], token_types: list[int]
+) -> tokenizers.Tokenizer:
+    """GPT-2-style byte-level BPE (tokenizer.ggml.model "gpt2"): vocabulary and merges from the
+    file, the word split named by tokenizer.ggml.pre."""
+    merges: list[str] = meta.require("tokenizer.ggml.merges")
+    pre = meta.get("tokenizer.ggml.pre") or "default"
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    split = _GGUF_PRE_TOKENIZERS.get(pre)
+    if split is None:
+        log.warning("GGUF pre-tokenizer %r unknown; using GPT-2's word split", pre)
+        split = "gpt2"
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=[_merge_pair(m) for m in merges],
+        ignore_merges=split in _IGNORE_MERGES,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(split)
+    backend.decoder = decoders.ByteLevel()
+
+    # Control tokens (<|im_start|>, ...) are matched whole in text and are "special" (skipped on
+    # decode); user-defined ones are matched whole but kept. A control token spelled outside the
+    # byte alphabet is a mislabel in the file; adding it would grow the vocabulary, so skip it.
+    alphabet = set(_unicode_to_byte())
+    kept = [
+        (t, ty) for t, ty in zip(tokens, token_types) if ty != _GGUF_CONTROL or set(t) <= alphabet
+    ]
+    _add_gguf_added_tokens(backend, [t for t, _ in kept], [ty for _, ty in kept])
+    return backend
+
+
+def _sentencepiece_bpe_from_gguf(
+    meta: _GGUFMeta, tokens: list[str], token_types: list[int]
+) -> tokenizers.Tokenizer:
+    """SentencePiece BPE (tokenizer.ggml.model "llama": Llama 2, Gemma, ...): spaces are "\u2581",
+    text no piece covers falls back to byte tokens "<0xNN>", and no word split.
+
+    Gemma files have no merges; they follow from the vocabulary (`_merges_from_vocab`). Gemma's
+    pieces of two or more spaces are stored with real spaces, but its text is matched after spaces
+    became "\u2581": they are spelled back so that they can be found. The decoder turns "\u2581"
+    into spaces and byte pieces into bytes, so decoding gives the text back exactly."""
+    gemma = str(meta.get("general.architecture") or "").startswith("gemma")
+    if gemma:
+        # (plain pieces then, found after spaces became "\u2581", not added tokens matched in the
+        # raw text, where only a literal "\u2581\u2581" could match them)
+        runs = {i for i, t in enumerate(tokens) if t and not t.strip(" ")}
+        tokens = [_SPM_SPACE * len(t) if i in runs else t for i, t in enumerate(tokens)]
+        token_types = [1 if i in runs else ty for i, ty in enumerate(token_types)]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None:
+        pairs = [_merge_pair(m) for m in merges]
+    else:
+        # Gemma's scores do not follow its merge order, its piece order does (transformers' GGUF
+        # loader ranks them so too); other SentencePiece models rank merges by score.
+        scores = meta.get("tokenizer.ggml.scores")
+        if gemma or scores is None:
+            rank = [-float(i) for i in range(len(tokens))]
+        else:
+            rank = [float(x) for x in scores]
+        pairs = _merges_from_vocab(vocab, rank)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=pairs,
+        unk_token=tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    # llama.cpp puts a "\u2581" before the text unless the file says not to (Gemma says not to).
+    if meta.get("tokenizer.ggml.add_space_prefix") is False:
+        backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+        backend.decoder = decoders.Sequence(
+            [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPM_SPACE, prepend_scheme="first", split=False
+        )
+        backend.decoder = decoders.Sequence(
+            [
+                decoders.Replace(_SPM_SPACE, " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),  # the space put before the text
+            ]
+        )
+    _add_gguf_added_tokens(backend, tokens, token_types)
+    return backend
+
+
+# tokenizer.ggml.model -> how to build the tokenizer from the file's vocabulary
+_GGUF_TOKENIZER_MODELS = {
+    "gpt2": _byte_level_bpe_from_gguf,
+    "llama": _sentencepiece_bpe_from_gguf,
+}
+
+
+def _add_gguf_added_tokens(
+    backend: tokenizers.Tokenizer, tokens: list[str], token_types: list[int]
+) -> None:
+    """Control tokens (<|im_start|>, <start_of_turn>, ...) are matched whole in text and are
+    "special" (skipped on decode); user-defined ones are matched whole but kept."""
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, token_types)
+        if ty == _GGUF_CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(tokens, token_types)
+        if ty == _GGUF_USER_DEFINED
+    ]
+    backend.add_special_tokens(special)
+    backend.add_tokens(user)
+
+
+def _merges_from_vocab(vocab: Mapping[str, int], rank: Sequence[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every way to cut a piece into two pieces
+    of the vocabulary, best-ranked piece first; for one piece, the longer left part first."""
+    found: list[tuple[float, int, int, str, str]] = []
+    for piece, i in vocab.items():
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-rank[i], i, -cut, left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
 def _set_post_processor(
     backend: tokenizers.Tokenizer, tokens: list[str], bos: int | None, eos: int | None
 ) -> None:
@@ -399,10 +519,8 @@ def _token_bytes_table(backend: tokenizers.Tokenizer) -> list[bytes]:
     byte_fallback = "ByteFallback" in kinds
     byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
     for i in range(size):
-        if i in added:
-            table.append(added[i].content.encode("utf-8"))
-            continue
-        t = backend.id_to_token(i) or ""
+        # The decoder maps added tokens too (Gemma's runs of spaces are added tokens "▁▁"...).
+        t = added[i].content if i in added else backend.id_to_token(i) or ""
         m = byte_token.fullmatch(t) if byte_fallback else None
         if m:
             table.append(bytes([int(m.group(1), 16)]))

