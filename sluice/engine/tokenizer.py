@@ -519,7 +519,7 @@ def _token_bytes_table(backend: tokenizers.Tokenizer) -> list[bytes]:
     byte_fallback = "ByteFallback" in kinds
     byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
     for i in range(size):
-        # The decoder maps added tokens too (Gemma's runs of spaces are added tokens "▁▁"...).
+        # The decoder maps added tokens too (one may spell a space "▁").
         t = added[i].content if i in added else backend.id_to_token(i) or ""
         m = byte_token.fullmatch(t) if byte_fallback else None
         if m:
