@@ -1,12 +1,14 @@
-"""What a model costs to start: time to "engine ready", peak resident memory on the way, resident
-memory once ready, against the model file's size, each model in a process of its own.
+"""The catalog's models as a user starts them (`sluice models list`), each in a process of its
+own: time to "engine ready", peak resident memory on the way and resident memory once ready
+(against the model file's size), and a lone request's decode time per token.
 
-    .venv/bin/python -m bench.start_memory                          # every pulled model, int4
-    .venv/bin/python -m bench.start_memory --models qwen2.5-coder-1.5b --quantizations int4,none
+    .venv/bin/python -m bench.models                    # every pulled model, int4 (as `auto`)
+    .venv/bin/python -m bench.models --models qwen2.5-coder-1.5b --quantizations int4,none
 
 The KV cache is reserved by a background thread after "engine ready" (docs/ENGINE.md), so the
-resident figure once ready leaves most of it out; `--kv-cache-mb` sizes it. Writes
-bench/results/start_memory.json.
+resident figure once ready leaves most of it out; `--kv-cache-mb` sizes it. Decode: 64 greedy
+tokens after a 6-token prompt, end-of-sequence ignored, the mean of the steps after the first.
+Writes bench/results/models.json.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "start_memory.json"
+RESULTS = ROOT / "bench" / "results" / "models.json"
+DECODE_TOKENS = 64
 
 
 def _resident_mib() -> float:
@@ -32,9 +35,12 @@ def _resident_mib() -> float:
 
 def measure(name: str, quantization: str, kv_cache_mb: int) -> dict:
     """In this process: start the engine on `name`, and what it cost."""
+    import torch
+
     from sluice.engine.config import EngineConfig
     from sluice.engine.engine import LLMEngine
     from sluice.engine.loader import catalog
+    from sluice.engine.sampling_params import SamplingParams
 
     path = catalog.locate(name)
     config = EngineConfig(
@@ -44,20 +50,36 @@ def measure(name: str, quantization: str, kv_cache_mb: int) -> dict:
     started = time.monotonic()
     engine = LLMEngine(str(path), config)
     ready_s = time.monotonic() - started
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_ready_mib = _resident_mib()
+    params = SamplingParams(temperature=0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    engine.add_request("decode", "The history of the river", params)
+    step_s = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        step_s.append(time.perf_counter() - t)
+    decode = step_s[1:]  # (the first step is the prompt's)
     return {
         "model": name,
         "quantization": quantization,
         "file_mib": path.stat().st_size / 2**20,
         "weights_mib": engine.memory.weight_bytes / 2**20,
         "ready_s": ready_s,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_ready_mib": _resident_mib(),
+        "peak_rss_mib": peak_rss_mib,
+        "rss_ready_mib": rss_ready_mib,
+        "decode_ms_per_token": 1000 * sum(decode) / max(1, len(decode)),
+        "kernels": engine.kernels,
+        "dtype": engine.config.dtype,
+        "cpu": engine.provenance.device_name,
+        "threads": torch.get_num_threads(),
+        "route": engine.runner.route.name,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        prog="python -m bench.start_memory",
+        prog="python -m bench.models",
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
@@ -80,7 +102,7 @@ def main() -> None:
             args = ["--child", name, quantization, "--kv-cache-mb", str(a.kv_cache_mb)]
             print(f"starting {name} ({quantization}) ...", file=sys.stderr, flush=True)
             out = subprocess.run(
-                [sys.executable, "-m", "bench.start_memory", *args],
+                [sys.executable, "-m", "bench.models", *args],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -89,15 +111,17 @@ def main() -> None:
             rows.append(json.loads(out.strip().splitlines()[-1]))
     print(
         f"{'model':<22} {'weights':<6} {'file MiB':>9} {'ready s':>8} {'peak MiB':>9} "
-        f"{'x file':>7} {'ready MiB':>10}"
+        f"{'x file':>7} {'ready MiB':>10} {'ms/token':>9}"
     )
     for r in rows:
         print(
             f"{r['model']:<22} {r['quantization']:<6} {r['file_mib']:>9.0f} {r['ready_s']:>8.1f} "
             f"{r['peak_rss_mib']:>9.0f} {r['peak_rss_mib'] / r['file_mib']:>7.2f} "
-            f"{r['rss_ready_mib']:>10.0f}"
+            f"{r['rss_ready_mib']:>10.0f} {r['decode_ms_per_token']:>9.2f}"
         )
     a.json.parent.mkdir(parents=True, exist_ok=True)
+    if rows:
+        print(f"{rows[0]['cpu']}, {rows[0]['threads']} threads")
     a.json.write_text(json.dumps({"runs": rows, "kv_cache_mb": a.kv_cache_mb}, indent=2))
     print(f"wrote {a.json}")
 
