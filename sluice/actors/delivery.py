@@ -56,10 +56,6 @@ class Delivery:
         """Whether some record waits for this delivery (False for `Delivery()`)."""
         return self._on_done is not None
 
-    @property
-    def is_done(self) -> bool:
-        return self._done
-
     def for_part(self) -> Delivery:
         """For a message that is only part of the record's output (a token message): the same
         place (its transaction), and nothing waits for it."""

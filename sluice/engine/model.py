@@ -87,6 +87,37 @@ class DecoderLayer(nn.Module):
         # where the layer holds all heads and columns (`CausalLM.shard`)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    def project_qkv(
+        self, h: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The normed input [T, H] -> q [T, Hq, D], k and v [T, Hkv, D] (views of one matmul)."""
+        t = h.shape[0]
+        qkv = ops.linear(h, self.qkv)
+        q = qkv[:, : self.q_size].view(t, self.hq, self.d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
+        return q, k, v
+
+    def attention_output(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope,
+        plan: StepPlan,
+        cache: LayerKVCache,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        """Rotated q and k, k and v into the cache, attention, o_proj (summed over the ranks)."""
+        q, k = ops.rotary(q, k, rope)
+        ops.write_kv(k, v, cache, plan)
+        attn = ops.attend(q, k, v, cache, plan, self.scale)
+        return self.reduced(ops.linear(attn.reshape(q.shape[0], self.q_size), self.o_proj))
+
+    def reduced(self, x: torch.Tensor) -> torch.Tensor:
+        """A sub-layer's output summed over the tensor-parallel ranks (as it is, unsharded)."""
+        return x if self.all_reduce is None else self.all_reduce(x)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -97,23 +128,12 @@ class DecoderLayer(nn.Module):
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (x, residual): the layer's input is x + residual (residual None: x)."""
-        t = x.shape[0]
         h, residual = ops.add_rmsnorm(x, residual, self.input_norm, self.eps)
-        qkv = ops.linear(h, self.qkv)
-        q = qkv[:, : self.q_size].view(t, self.hq, self.d)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
-        q, k = ops.rotary(q, k, rope)
-        ops.write_kv(k, v, cache, plan)
-        attn = ops.attend(q, k, v, cache, plan, self.scale)
-        x = ops.linear(attn.reshape(t, self.q_size), self.o_proj)
-        if self.all_reduce is not None:
-            x = self.all_reduce(x)
+        q, k, v = self.project_qkv(h, ops)
+        x = self.attention_output(q, k, v, rope, plan, cache, ops)
 
         h, residual = ops.add_rmsnorm(x, residual, self.post_attention_norm, self.eps)
-        x = ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down)
-        if self.all_reduce is not None:
-            x = self.all_reduce(x)
+        x = self.reduced(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down))
         return x, residual
 
 
@@ -140,28 +160,18 @@ class GemmaDecoderLayer(DecoderLayer):
         cache: LayerKVCache,
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t, eps = x.shape[0], self.eps
+        eps = self.eps
         h, residual = ops.add_rmsnorm_offset(x, residual, self.input_norm, eps)
-        qkv = ops.linear(h, self.qkv)
-        q = qkv[:, : self.q_size].view(t, self.hq, self.d)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
+        q, k, v = self.project_qkv(h, ops)
         q = ops.add_rmsnorm_offset(q, None, self.q_norm, eps)[0]
         k = ops.add_rmsnorm_offset(k, None, self.k_norm, eps)[0]
-        q, k = ops.rotary(q, k, rope)
-        ops.write_kv(k, v, cache, plan)
-        attn = ops.attend(q, k, v, cache, plan, self.scale)
-        x = ops.linear(attn.reshape(t, self.q_size), self.o_proj)
-        if self.all_reduce is not None:
-            x = self.all_reduce(x)
+        x = self.attention_output(q, k, v, rope, plan, cache, ops)
         x = ops.add_rmsnorm_offset(x, None, self.post_attention_norm, eps)[0]
 
         h, residual = ops.add_rmsnorm_offset(x, residual, self.pre_feedforward_norm, eps)
         gate_up = ops.linear(h, self.gate_up)
         act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
-        x = ops.linear(act, self.down)
-        if self.all_reduce is not None:
-            x = self.all_reduce(x)
+        x = self.reduced(ops.linear(act, self.down))
         return ops.add_rmsnorm_offset(x, None, self.post_feedforward_norm, eps)[0], residual
 
 
