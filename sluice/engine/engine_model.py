@@ -58,6 +58,7 @@ def prepare_model(
         # (a rank's share is cut from the values, as the other ranks': the file's blocks are
         # whole matrices)
         int4_blocks=loaded.int4_blocks if shards is None else None,
+        int8_blocks=loaded.int8_blocks if shards is None else None,
         stored_types=loaded.stored_types if shards is None else None,
         take_tensors=shards is None,
     )
@@ -65,7 +66,7 @@ def prepare_model(
         startup.choose_widening(config, ops, model)
     startup.hint_stored_quantization(config, loaded, ops)
     loaded.tensors = {}
-    loaded.int4_blocks = {}
+    loaded.int4_blocks, loaded.int8_blocks = {}, {}
     _give_back_freed_memory()
     return EngineModel(config, model, rank_config, num_blocks, weights_hash, group)
 

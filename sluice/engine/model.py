@@ -46,12 +46,13 @@ from .weights import Embedding, Linear, frozen_parameter
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
     post_attention_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [Hq*D + 2*Hkv*D, H]
+    # each projection a float matrix, or already in the form the engine runs it (its bias in it)
+    qkv: torch.Tensor | nn.Module  # [Hq*D + 2*Hkv*D, H]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq*D]
+    o: torch.Tensor | nn.Module  # [H, Hq*D]
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2*I, H]
-    down: torch.Tensor  # [H, I]
+    gate_up: torch.Tensor | nn.Module  # [2*I, H]
+    down: torch.Tensor | nn.Module  # [H, I]
     # Gemma (`ModelConfig.sandwich_norms`, `qk_norm`); None elsewhere. (Its post_attention_norm
     # is the attention output's norm, pre_feedforward_norm the MLP input's.)
     pre_feedforward_norm: torch.Tensor | None = None  # [H]
@@ -62,10 +63,15 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, H]
-    norm: torch.Tensor  # [H], the final norm
-    lm_head: torch.Tensor | None  # [V, H]; None: tied to the embedding
+    # the vocabulary matrices as floats, or already in the form the engine runs them
+    embed: torch.Tensor | nn.Module  # [V, H]
+    norm: torch.Tensor  # [H], the final norm (in the model's dtype, on its device)
+    lm_head: torch.Tensor | nn.Module | None  # [V, H]; None: tied to the (float) embedding
     layers: list[LayerWeights]
+
+
+def _projection(weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None) -> nn.Module:
+    return weight if isinstance(weight, nn.Module) else Linear(weight, bias)
 
 
 class DecoderLayer(nn.Module):
@@ -79,10 +85,10 @@ class DecoderLayer(nn.Module):
         self.input_norm = frozen_parameter(w.input_norm)
         self.post_attention_norm = frozen_parameter(w.post_attention_norm)
         # Linear as loaded; another form of `weights` after packing or quantizing
-        self.qkv: nn.Module = Linear(w.qkv, w.qkv_bias)
-        self.o_proj: nn.Module = Linear(w.o, w.o_bias)
-        self.gate_up: nn.Module = Linear(w.gate_up)
-        self.down: nn.Module = Linear(w.down)
+        self.qkv = _projection(w.qkv, w.qkv_bias)
+        self.o_proj = _projection(w.o, w.o_bias)
+        self.gate_up = _projection(w.gate_up)
+        self.down = _projection(w.down)
         # Sums this rank's partial o_proj and down outputs over the tensor-parallel ranks; None
         # where the layer holds all heads and columns (`CausalLM.shard`)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -179,25 +185,29 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, weights: ModelWeights, ops: KernelOps | None = None):
         super().__init__()
         self.config = config
-        embed = Embedding(weights.embed)
+        embed = weights.embed
+        if not isinstance(embed, nn.Module):
+            embed = Embedding(embed)
         self.embed_tokens: nn.Module = embed  # another form after `weight_transforms.quantize_int8`
         layer_type = GemmaDecoderLayer if config.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(layer_type(config, w) for w in weights.layers)
         self.norm = frozen_parameter(weights.norm)
         self.eps = config.rms_norm_eps
         head = embed.weight if weights.lm_head is None else weights.lm_head
-        self.lm_head: nn.Module = Linear(head)  # another form after packing or quantizing
-        self.rotary = RotaryEmbedding(config, device=weights.embed.device)
+        # another form after packing or quantizing
+        self.lm_head: nn.Module = head if isinstance(head, nn.Module) else Linear(head)
+        device = weights.norm.device
+        self.rotary = RotaryEmbedding(config, device=device)
         # the rotaries the layers use, and which one each layer takes (`uses_local_rotary`)
         self.rotaries = [self.rotary]
         if config.local_rope_theta is not None:
             local = replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
-            self.rotaries.append(RotaryEmbedding(local, device=weights.embed.device))
+            self.rotaries.append(RotaryEmbedding(local, device=device))
         self.layer_rotary = [
             int(config.uses_local_rotary(n)) for n in range(config.num_hidden_layers)
         ]
         self.layer_windows = [config.layer_window(n) for n in range(config.num_hidden_layers)]
-        self.dtype = weights.embed.dtype
+        self.dtype = weights.norm.dtype
         self.ops: KernelOps = ops or TorchOps()
         self.sharded = False
 

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import platform
 import subprocess
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,7 +123,7 @@ def _widened_from_rows(ops: KernelOps) -> dict[str, int] | None:
 
 
 def weights_sha256(
-    source: str, tensors: dict[str, torch.Tensor], cache_dir: Path | None = None
+    source: str, tensors: Mapping[str, torch.Tensor], cache_dir: Path | None = None
 ) -> str:
     """sha256 of the files the weights were read from: a file itself; for a directory, each
     *.safetensors file's name and bytes in name order (kept per machine: the module's

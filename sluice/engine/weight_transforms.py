@@ -4,6 +4,8 @@ int4, packed for oneDNN or for the fixed-order matmul, or left as loaded, into t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -120,39 +122,85 @@ def quantize_int8(model: CausalLM) -> None:
     model.lm_head = Int8Linear(q, scale, None) if tied else Int8Linear.quantize(head)
 
 
+class BlockWeights:
+    """How a model's matrices become the native kernels' blocks (`quantize_in_blocks`), each as
+    the model builder reaches it (`loader.build_model`, `tensor_names.model_weights`): a quantized
+    model never holds the float copy of more than one matrix, and a matrix the file stores in a
+    form the kernels read (`stored`) is never made float at all."""
+
+    def __init__(self, bits: int = 8, stored: StoredProjections | None = None):
+        from .loader.gguf_blocks import StoredProjections
+
+        self.bits = bits
+        self.stored = stored if stored is not None else StoredProjections()
+
+    def projection(
+        self, key: tuple[int, str], read: Callable[[], torch.Tensor], bias: torch.Tensor | None
+    ) -> nn.Module:
+        """A layer's projection (key: layer index and `PROJECTIONS` name) from a function that
+        reads its float matrix, and its bias: in 4 bits, from the file's 4-bit blocks where it
+        stored them so, and in int8 where it stored a part wider (llama.cpp's mixed files keep
+        their most sensitive matrices wider); otherwise in `bits`. Int8 from the file's own
+        blocks wherever its types read so, else quantized from `read()`."""
+        stored = self.stored
+        if self.bits == 4 and key in stored.int4:
+            return BlockInt8Linear.from_int4_blocks(stored.int4[key](), bias)
+        bits = 8 if key in stored.wider else self.bits
+        if bits == 8 and key in stored.int8:
+            return BlockInt8Linear.from_int8_blocks(stored.int8[key](), bias)
+        return BlockInt8Linear.from_weight(read(), bias, bits)
+
+    def head(self) -> BlockInt8Linear | None:
+        """The LM head in int8 from the file's blocks (the embedding's, when tied); None where
+        its type does not read so."""
+        if self.stored.head is None:
+            return None
+        return BlockInt8Linear.from_int8_blocks(self.stored.head(), None)
+
+    def embedding(self, dtype: torch.dtype) -> BlockInt8Embedding | None:
+        """An untied embedding from the file's blocks (its rows read from them, in `dtype`); None
+        where its type does not read so."""
+        if self.stored.embed is None:
+            return None
+        return BlockInt8Embedding(
+            BlockInt8Linear.from_int8_blocks(self.stored.embed(), None), dtype
+        )
+
+
 def quantize_in_blocks(
     model: CausalLM, bits: int = 8, stored: StoredProjections | None = None
 ) -> None:
     """Codes in blocks of 32 wherever a matrix is multiplied, multiplied as stored by the native
-    kernel: the four projections of every layer in `bits` (8 or 4), the LM head in int8 (as GGUF
-    files keep it: the vocabulary matrix is the most sensitive). A tied head's embedding reads its
-    rows from the head's matrix (`BlockInt8Embedding`); an untied one keeps int8 rows with one
-    scale each (`Int8Embedding`). Norm weights stay in the model dtype. In 4 bits, with a file's
-    `stored` layout, a projection it stored in 4 bits takes those blocks as they are, and one it
-    stored wider is int8 (llama.cpp's mixed files keep their most sensitive matrices wider)."""
+    kernel: the four projections of every layer in `bits` (8 or 4) as `BlockWeights` makes them,
+    the LM head in int8 (as GGUF files keep it: the vocabulary matrix is the most sensitive). A
+    tied head's embedding reads its rows from the head's matrix (`BlockInt8Embedding`); an untied
+    one keeps int8 rows with one scale each (`Int8Embedding`). Norm weights stay in the model
+    dtype. What the builder already made in blocks stays as it is."""
     from .kernels.int8_linear import quantize_int8 as quantize
 
     head, embed = model.lm_head, model.embed_tokens
-    if not isinstance(head, Linear) or not isinstance(embed, Embedding):
+    built_head = isinstance(head, BlockInt8Linear)
+    if not (isinstance(head, Linear) or built_head) or not isinstance(
+        embed, (Embedding, BlockInt8Embedding)
+    ):
         raise RuntimeError("quantize before packing: packed weights cannot be quantized")
+    weights = BlockWeights(bits, stored)
     for n, layer in enumerate(_layers(model)):
         for name in PROJECTIONS:
-            linear, key = getattr(layer, name), (n, name)
-            if bits == 4 and stored is not None and key in stored.int4:
-                quantized = BlockInt8Linear.from_int4_blocks(stored.int4[key], linear)
-            elif bits == 4 and stored is not None and key in stored.wider:
-                quantized = BlockInt8Linear.quantize(linear, 8)
-            else:
-                quantized = BlockInt8Linear.quantize(linear, bits)
-            setattr(layer, name, quantized)
-    tied = head.weight is embed.weight
-    model.lm_head = blocked = BlockInt8Linear.quantize(head)
-    dtype = embed.weight.dtype
-    model.embed_tokens = (
-        BlockInt8Embedding(blocked, dtype)
-        if tied
-        else Int8Embedding(*quantize(embed.weight.data), dtype)
-    )
+            linear = getattr(layer, name)
+            if isinstance(linear, BlockInt8Linear):
+                continue
+            read = partial(getattr, linear.weight, "data")
+            setattr(layer, name, weights.projection((n, name), read, linear.bias))
+    if not built_head:
+        assert isinstance(head, Linear)
+        model.lm_head = blocked = BlockInt8Linear.quantize(head)
+        if isinstance(embed, Embedding) and head.weight is embed.weight:  # tied
+            model.embed_tokens = BlockInt8Embedding(blocked, embed.weight.dtype)
+            return
+    if isinstance(embed, Embedding):  # untied, and not made by the builder
+        dtype = embed.weight.dtype
+        model.embed_tokens = Int8Embedding(*quantize(embed.weight.data), dtype)
 
 
 def pack_for_fixed_order(model: CausalLM) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .loader.gguf_blocks import Int4Blocks
+    from .loader.gguf_blocks import Int4Blocks, Int8Blocks
 
 
 def frozen_parameter(t: torch.Tensor) -> nn.Parameter:
@@ -142,26 +142,39 @@ class BlockInt8Linear(nn.Module):
 
     @classmethod
     def quantize(cls, linear: Linear, bits: int = 8) -> BlockInt8Linear:
-        from .cpu_kernels import block_int8_linear as blocks
-
-        weight = linear.weight.data
-        k = weight.shape[1]
-        if bits == 4:
-            return cls(blocks.pack_q4_blocks(*blocks.quantize_q4_blocks(weight), k), linear.bias)
-        return cls(blocks.pack_blocks(*blocks.quantize_blocks(weight), k), linear.bias)
+        return cls.from_weight(linear.weight.data, linear.bias, bits)
 
     @classmethod
-    def from_int4_blocks(cls, blocks: Int4Blocks, linear: Linear) -> BlockInt8Linear:
-        """The linear's matrix as 4-bit blocks a file stored (the same values, as the file has
-        them, rather than quantized again)."""
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, bits: int = 8
+    ) -> BlockInt8Linear:
+        """A float [N, K] matrix quantized in `bits` (8 or 4)."""
+        from .cpu_kernels import block_int8_linear as blocks
+
+        k = weight.shape[1]
+        if bits == 4:
+            packed = blocks.pack_q4_blocks(*blocks.quantize_q4_blocks(weight), k)
+        else:
+            packed = blocks.pack_blocks(*blocks.quantize_blocks(weight), k)
+        return cls(packed, optional_parameter(bias))
+
+    @classmethod
+    def from_int4_blocks(cls, blocks: Int4Blocks, bias: torch.Tensor | None) -> BlockInt8Linear:
+        """A matrix as 4-bit blocks a file stored (the same values, as the file has them, rather
+        than quantized again)."""
         from .cpu_kernels import block_int8_linear as packing
 
-        n, k = linear.weight.shape
-        if tuple(blocks.codes.shape) != (n, k):
-            raise ValueError(
-                f"stored blocks of {tuple(blocks.codes.shape)} for a [{n}, {k}] matrix"
-            )
-        return cls(packing.pack_q4_blocks(blocks.codes, blocks.d, blocks.m, k), linear.bias)
+        k = blocks.codes.shape[1]
+        packed = packing.pack_q4_blocks(blocks.codes, blocks.d, blocks.m, k)
+        return cls(packed, optional_parameter(bias))
+
+    @classmethod
+    def from_int8_blocks(cls, blocks: Int8Blocks, bias: torch.Tensor | None) -> BlockInt8Linear:
+        """A matrix as int8 blocks read from a file (`gguf_to_blocks`)."""
+        from .cpu_kernels import block_int8_linear as packing
+
+        k = blocks.codes.shape[1]
+        return cls(packing.pack_blocks(blocks.codes, blocks.d, k), optional_parameter(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .cpu_kernels.block_int8_linear import block_int8_linear

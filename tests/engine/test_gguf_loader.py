@@ -493,12 +493,13 @@ def test_auto_picks_int4_wherever_a_file_has_4_bit_layers():
     assert quantization_as_stored((), native).quantization is None
 
 
-def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path):
+def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, monkeypatch):
     """A Q4_K_M-like file (Q4_K, with the V projection and the down projection in Q6_K, as
-    llama.cpp's mixed files keep their most sensitive matrices wider): with int4 weights the
-    projections stored in 4 bits hold the file's blocks, and those with a Q6_K matrix are int8
-    blocks, whose values are within half an int8 step (and its float16 rounding) of the file's
-    (float64 reference decoder)."""
+    llama.cpp's mixed files keep their most sensitive matrices wider, and Q8_0 vocabulary
+    matrices): with int4 weights the projections stored in 4 bits hold the file's blocks, and
+    those with a Q6_K matrix are int8 blocks, whose values are within half an int8 step (and its
+    float16 rounding) of the file's (float64 reference decoder); the LM head and the embedding
+    hold the file's own codes. No matrix is read as floats on the way (only the norms are)."""
     from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
     from sluice.engine.kernel_ops import resolve_kernel_ops
     from sluice.engine.loader.tensor_names import PROJECTION_PARTS
@@ -524,13 +525,36 @@ def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path):
         for parts in PROJECTION_PARTS.values()
         for part in parts
     }
+    override["token_embd.weight"] = stored("model.embed_tokens.weight", Q.Q8_0)
+    override["output.weight"] = stored("lm_head.weight", Q.Q8_0)
     write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
+    read_as_floats = []
+    read = gguf_loader._read_tensor
+
+    def spy(t, name, *args):
+        read_as_floats.append(name)
+        return read(t, name, *args)
+
+    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
-    assert loaded.stored_formats == ("Q4_K", "Q6_K")
+    assert loaded.stored_formats == ("Q4_K", "Q6_K") and not loaded.config.tie_word_embeddings
     model = build_model(
         loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
-        int4_blocks=loaded.int4_blocks, stored_types=loaded.stored_types,
+        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
+        stored_types=loaded.stored_types,
     )  # fmt: skip
+    assert read_as_floats and all(name.endswith("norm.weight") for name in read_as_floats)
+    vocab, hidden = hf.config.vocab_size, hf.config.hidden_size
+
+    def file_values(hf_name: str) -> np.ndarray:
+        raw, qtype = raws[hf_name]
+        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        return reference_dequantize(flat, qtype, (vocab, hidden))
+
+    head = widen_blocks(model.lm_head.packed, torch.float32).double().numpy()
+    assert np.array_equal(head, file_values("lm_head.weight"))
+    rows = model.embed_tokens(torch.arange(vocab)).double().numpy()
+    assert np.array_equal(rows, file_values("model.embed_tokens.weight"))
     for i, layer in enumerate(model.layers):
         assert layer.o_proj.packed.fmt == FMT_Q4 and layer.gate_up.packed.fmt == FMT_Q4
         assert layer.qkv.packed.fmt == FMT_Q8 and layer.down.packed.fmt == FMT_Q8

@@ -38,6 +38,7 @@ SOURCES = (
     "block_int8_linear.c",
     "decoder_layers.c",
     "page_reserve.c",
+    "gguf_to_blocks.c",
 )
 HEADERS = ("simd.h",)
 # -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
@@ -289,6 +290,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_block_int8_dot_path": (i32, []),
         "sluice_block_int8_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
         "sluice_block_widen": (None, [ptr, i64, i64, i32, ptr, i32, i32]),
+        "sluice_gguf_row_bytes": (i64, [i32, i64]),
+        "sluice_gguf_to_int8_blocks": (i32, [ptr, i32, i64, i64, ptr, ptr, i32]),
         "sluice_reserve_start": (ptr, [ptr, ptr, i64, i64]),
         "sluice_reserve_state": (i32, [ptr]),
         "sluice_reserve_seconds": (ctypes.c_double, [ptr]),

@@ -8,21 +8,26 @@ name of `catalog.MODELS` ("qwen2.5-coder-1.5b") the file `sluice models pull NAM
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import ModelError
-from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, Int4Blocks, StoredProjections
+from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, StoredProjections
+from .lazy_tensors import tensor_dtypes
 from .loaded import LoadedModel
 
 if TYPE_CHECKING:
     from ..kernel_ops.base import KernelOps
     from ..model import CausalLM
     from ..tokenizer import Tokenizer
+
+
+Blocks = TypeVar("Blocks", Int4Blocks, Int8Blocks)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -98,7 +103,7 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> tuple[Tokenizer, Mo
 
 def build_model(
     config: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    tensors: MutableMapping[str, torch.Tensor],
     dtype: Any = torch.float32,
     device: Any = "cpu",
     *,
@@ -106,31 +111,40 @@ def build_model(
     ops: KernelOps | None = None,
     source: str = "state dict",
     int4_blocks: Mapping[str, Int4Blocks] | None = None,
+    int8_blocks: Mapping[str, Int8Blocks] | None = None,
     stored_types: Mapping[str, str] | None = None,
     take_tensors: bool = False,
 ) -> CausalLM:
     """The model, ready to run, from HF-named tensors (cast and moved):
     shapes checked, weights built, then transformed as the engine runs them (quantized when
     `quantization` is "int8", else packed in the layout the kernel family reads:
-    `transform_weights`). With int4 weights, a projection whose matrices all come with the file's
-    own 4-bit blocks (`int4_blocks`, by HF name) is built from those, and one with a matrix the
-    file stored in more than 4 bits (`stored_types`, GGUF type by HF name) is int8.
+    `transform_weights`). Quantized in blocks (the native kernels), each layer's projections are
+    quantized as the layer is built (`weight_transforms.block_projections`), so a lazily read file
+    (`lazy_tensors`) never has all its matrices in float at once. With int4 weights, a projection
+    whose matrices all come with the file's own 4-bit blocks (`int4_blocks`, by HF name) is built
+    from those, and one with a matrix the file stored in more than 4 bits (`stored_types`, GGUF
+    type by HF name) is int8.
 
     `take_tensors`: the tensors are taken out of the dict as the model takes them (an engine
     keeps nothing of what it loaded), which halves the peak memory of a start."""
     from ..config import torch_dtype
     from ..model import CausalLM
-    from ..weight_transforms import cast_unquantized, transform_weights
+    from ..weight_transforms import BlockWeights, cast_unquantized, transform_weights
     from .tensor_names import check_tensors, model_weights
 
     check_tensors(config, tensors, source)
     target = torch_dtype(dtype)
     built = _quantized_from(tensors, target) if quantization else target
-    weights = model_weights(config, tensors, built, device, take=take_tensors)
-    model = CausalLM(config, weights, ops).eval()
     stored = None
-    if quantization == "int4":
-        stored = _stored_projections(config, int4_blocks or {}, stored_types or {})
+    if quantization in ("int8", "int4"):
+        stored = _stored_projections(
+            config, int4_blocks or {}, int8_blocks or {}, stored_types or {}
+        )
+    blocks = None
+    if stored is not None and ops is not None and ops.int8_format == "blocks":
+        blocks = BlockWeights(4 if quantization == "int4" else 8, stored)
+    weights = model_weights(config, tensors, built, device, take=take_tensors, blocks=blocks)
+    model = CausalLM(config, weights, ops).eval()
     if ops is None:
         transform_weights(model, quantization, stored=stored)
     else:
@@ -141,28 +155,46 @@ def build_model(
 
 
 def _stored_projections(
-    config: ModelConfig, blocks: Mapping[str, Int4Blocks], types: Mapping[str, str]
+    config: ModelConfig,
+    int4: Mapping[str, Int4Blocks],
+    int8: Mapping[str, Int8Blocks],
+    types: Mapping[str, str],
 ) -> StoredProjections:
-    """How the file stored each projection's stacked matrices (`StoredProjections`)."""
+    """How the file stored each projection's stacked matrices and the LM head
+    (`StoredProjections`)."""
     from .tensor_names import PROJECTION_PARTS
 
     out = StoredProjections()
     for n in range(config.num_hidden_layers):
         for projection, parts in PROJECTION_PARTS.items():
+            key = (n, projection)
             names = [f"model.layers.{n}.{part}.weight" for part in parts]
             stored = [types.get(name) for name in names]
             if any(t is not None and t not in FOUR_BIT_TYPES + FLOAT_TYPES for t in stored):
-                out.wider.add((n, projection))
-            elif all(name in blocks for name in names):
-                out.int4[(n, projection)] = Int4Blocks.concat([blocks[name] for name in names])
+                out.wider.add(key)
+            elif all(name in int4 for name in names):
+                out.int4[key] = partial(_stacked_blocks, int4, names)
+            if all(name in int8 for name in names):
+                out.int8[key] = partial(_stacked_blocks, int8, names)
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if config.tie_word_embeddings:
+        head = embed
+    elif embed in int8:
+        out.embed = partial(int8.__getitem__, embed)
+    if head in int8:
+        out.head = partial(int8.__getitem__, head)
     return out
 
 
-def _quantized_from(tensors: dict[str, torch.Tensor], target: torch.dtype) -> torch.dtype:
+def _stacked_blocks(blocks: Mapping[str, Blocks], names: list[str]) -> Blocks:
+    return type(blocks[names[0]]).concat([blocks[name] for name in names])
+
+
+def _quantized_from(tensors: Mapping[str, torch.Tensor], target: torch.dtype) -> torch.dtype:
     """The dtype to quantize from: the loaded tensors' where it is wider than the model's, so the
     codes come from the weights as loaded, not as rounded to bfloat16 first (a GGUF Q8_0 tensor,
     dequantized to float32 and quantized again, gives back its own codes and scales)."""
-    loaded = [t.dtype for t in tensors.values() if t.is_floating_point()]
+    loaded = [d for d in tensor_dtypes(tensors) if d.is_floating_point]
     widest = max(loaded, key=lambda d: torch.finfo(d).bits, default=target)
     return widest if torch.finfo(widest).bits > torch.finfo(target).bits else target
 

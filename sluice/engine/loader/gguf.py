@@ -1,5 +1,6 @@
-"""GGUF files (llama.cpp's format): hyperparameters from metadata, tensors dequantized with numpy,
-and the layers' 4-bit matrices also kept as their own blocks (`gguf_blocks`) for int4 weights.
+"""GGUF files (llama.cpp's format): hyperparameters from metadata, and tensors read from the file's
+memory map when the model builder asks for them (`lazy_tensors`): dequantized with numpy, or a
+layer's 4-bit matrix as its own blocks (`gguf_blocks`) for int4 weights, never dequantized.
 
 GGUF names map to HF names; llama-family files store the Q and K projection rows permuted for
 llama.cpp's interleaved rotary, which `unpermute_qk` undoes (Qwen2 and Gemma 3 files use the HF
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,8 +20,10 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
+from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int8_blocks
 from ..errors import ModelError
-from .gguf_blocks import FOUR_BIT_TYPES, int4_blocks
+from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, int4_blocks
+from .lazy_tensors import LazyMapping, LazyTensors
 from .tensor_names import check_tensors
 
 if TYPE_CHECKING:
@@ -106,17 +110,22 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _check_type(tensor: Any, source: str) -> None:
+    name = tensor.tensor_type.name
+    if name not in SUPPORTED_TYPES:
+        raise ModelError(
+            f"{source}: tensor {tensor.name!r} has unsupported quantization type {name}; "
+            f"supported: {', '.join(SUPPORTED_TYPES)}",
+            field=tensor.name,
+        )
+
+
 def dequantize(tensor: Any, source: str = "gguf") -> np.ndarray:
     """A `gguf.ReaderTensor` -> float32 array in numpy (row-major, HF) order."""
     import gguf
 
+    _check_type(tensor, source)
     qtype = tensor.tensor_type
-    if qtype.name not in SUPPORTED_TYPES:
-        raise ModelError(
-            f"{source}: tensor {tensor.name!r} has unsupported quantization type {qtype.name}; "
-            f"supported: {', '.join(SUPPORTED_TYPES)}",
-            field=tensor.name,
-        )
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
     data = np.asarray(tensor.data)
     if len(shape) != 2 or shape[0] <= ROWS_AT_A_TIME or data.ndim != 2:
@@ -273,6 +282,59 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise ModelError(f"{path}: cannot read GGUF file: {e}", field="model") from e
 
 
+def _qk_heads(name: str, config: ModelConfig, gguf_arch: str) -> int | None:
+    """The heads whose rows llama.cpp permuted in a tensor of this name (None: not permuted)."""
+    if gguf_arch not in PERMUTED_QK:
+        return None
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_attention_heads
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_key_value_heads
+    return None
+
+
+def _read_int4_blocks(t: Any, name: str, config: ModelConfig, gguf_arch: str) -> Int4Blocks:
+    """A 4-bit matrix's blocks as the file stores them, in HF's row order."""
+    k, n = (int(d) for d in t.shape)
+    stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k))
+    heads = _qk_heads(name, config, gguf_arch)
+    if heads is not None:
+        stored = stored.rows_permuted(lambda a: unpermute_qk(a, heads))
+    return stored
+
+
+def _read_int8_blocks(t: Any, name: str, config: ModelConfig, gguf_arch: str) -> Int8Blocks:
+    """A matrix as int8 blocks (`gguf_to_blocks`), in HF's row order."""
+    k, n = (int(d) for d in t.shape)
+    stored = Int8Blocks(*gguf_int8_blocks(np.asarray(t.data), t.tensor_type.name, (n, k)))
+    heads = _qk_heads(name, config, gguf_arch)
+    if heads is not None:
+        stored = stored.rows_permuted(lambda a: unpermute_qk(a, heads))
+    return stored
+
+
+def _read_tensor(
+    t: Any, name: str, config: ModelConfig, gguf_arch: str, target: torch.dtype, source: str
+) -> torch.Tensor:
+    """A tensor's values in HF's form and `target` dtype, read from the file now."""
+    if t.tensor_type.name in ("Q4_0", "Q4_1"):
+        # the same float32 values as gguf's dequantization (d q + m; Q4_0's m = -8 d is exact,
+        # only its zeros may be +0 where gguf's are -0), in half its time
+        k, n = (int(d) for d in t.shape)
+        w = int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k)).values()
+    else:
+        w = dequantize(t, source)
+    heads = _qk_heads(name, config, gguf_arch)
+    if heads is not None:
+        w = unpermute_qk(w, heads)
+    if gguf_arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
+        w = w - 1.0  # back to HF's weight, which the norm adds 1 to
+    w = np.asarray(w, dtype=np.float32)
+    if not (w.flags.c_contiguous and w.flags.writeable):  # F32 tensors view the file's map
+        w = np.array(w, order="C")
+    return torch.from_numpy(w).to(target)
+
+
 def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     from .loaded import LoadedModel
 
@@ -281,41 +343,23 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     config, gguf_arch = read_config(reader, source)
     target = torch.float32 if dtype is None else torch_dtype(dtype)
 
-    tensors, types, blocks = {}, {}, {}
+    tensors, types = LazyTensors(), {}
+    blocks: LazyMapping[Int4Blocks] = LazyMapping()
+    int8: LazyMapping[Int8Blocks] = LazyMapping()
     for t in reader.tensors:
         name = hf_name(t.name, gguf_arch)
         if name is None:
             continue
-        stored = None
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        _check_type(t, source)
+        read = partial(_read_tensor, t, name, config, gguf_arch, target, source)
+        tensors.add_tensor(name, shape, target, read)
         if t.name.startswith("blk.") and name.endswith("_proj.weight"):
             types[name] = t.tensor_type.name
             if t.tensor_type.name in FOUR_BIT_TYPES:
-                k, n = (int(d) for d in t.shape)  # GGUF lists dims fastest-first
-                stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k))
-        if stored is not None and t.tensor_type.name in ("Q4_0", "Q4_1"):
-            # the same float32 values as gguf's dequantization (d q + m; Q4_0's m = -8 d is
-            # exact, only its zeros may be +0 where gguf's are -0), in half its time
-            w = stored.values()
-        else:
-            w = dequantize(t, source)
-        if gguf_arch in PERMUTED_QK:
-            heads = None
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                heads = config.num_attention_heads
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                heads = config.num_key_value_heads
-            if heads is not None:
-                w = unpermute_qk(w, heads)
-                if stored is not None:
-                    stored = stored.rows_permuted(lambda a, h=heads: unpermute_qk(a, h))
-        if gguf_arch in NORMS_PLUS_ONE and name.endswith("norm.weight"):
-            w = w - 1.0  # back to HF's weight, which the norm adds 1 to
-        w = np.asarray(w, dtype=np.float32)
-        if not (w.flags.c_contiguous and w.flags.writeable):  # F32 tensors view the file's map
-            w = np.array(w, order="C")
-        tensors[name] = torch.from_numpy(w).to(target)
-        if stored is not None:
-            blocks[name] = stored
+                blocks.add(name, partial(_read_int4_blocks, t, name, config, gguf_arch))
+        if len(shape) == 2 and t.tensor_type.name in INT8_TYPES:
+            int8.add(name, partial(_read_int8_blocks, t, name, config, gguf_arch))
     check_tensors(config, tensors, source)
 
     tokenizer = None
@@ -329,5 +373,6 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         tokenizer=tokenizer,
         source=source,
         int4_blocks=blocks,
+        int8_blocks=int8,
         stored_types=types,
     )

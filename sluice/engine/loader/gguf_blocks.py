@@ -8,13 +8,16 @@ codes are the file's own, not found again from the values.
   and mn: the same codes, d = d sc and m = -dmin mn rounded to float16 (within 2^-11 of one
   quantization step, where quantizing the values again could move a block onto another grid).
 
-Wider types (Q5_*, Q6_K, Q8_0) are not read here: int8 blocks are quantized from their values
-(Q8_0 gives back its own codes that way; the others land on a finer grid than theirs).
+Int8 blocks (`Int8Blocks`) are read by the native code (`cpu_kernels.gguf_to_blocks`): Q8_0's and
+Q5_0's own codes, the other types' values quantized again (Q6_K's 16-value sub-blocks land on a
+finer grid than theirs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Self
 
 import numpy as np
 import torch
@@ -24,22 +27,32 @@ FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
+class _Blocks:
+    """What the block forms share: stacking by rows and reordering rows (every field is a tensor
+    with a row per matrix row)."""
+
+    @classmethod
+    def concat(cls, parts: list) -> Self:
+        """Matrices stacked by rows (a fused projection's parts)."""
+        return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))  # type: ignore[arg-type]
+
+    def rows_permuted(self, permute) -> Self:
+        """The rows reordered by `permute` (a function of a [rows, ...] array)."""
+        return type(self)(
+            *(
+                torch.from_numpy(np.ascontiguousarray(permute(getattr(self, f.name).numpy())))
+                for f in fields(self)  # type: ignore[arg-type]
+            )
+        )
+
+
 @dataclass
-class Int4Blocks:
+class Int4Blocks(_Blocks):
     """A [N, K] matrix as 4-bit blocks along K (K a multiple of 32)."""
 
     codes: torch.Tensor  # uint8 [N, K], 0..15
     d: torch.Tensor  # float16 [N, K / 32]
     m: torch.Tensor  # float16 [N, K / 32]
-
-    @staticmethod
-    def concat(parts: list[Int4Blocks]) -> Int4Blocks:
-        """Matrices stacked by rows (a fused projection's parts)."""
-        return Int4Blocks(
-            torch.cat([p.codes for p in parts]),
-            torch.cat([p.d for p in parts]),
-            torch.cat([p.m for p in parts]),
-        )
 
     def values(self) -> np.ndarray:
         """The matrix as float32 [N, K]: d q + m, computed in float32."""
@@ -48,14 +61,14 @@ class Int4Blocks:
         w = codes * self.d.float()[..., None] + self.m.float()[..., None]
         return w.view(n, k).numpy()
 
-    def rows_permuted(self, permute) -> Int4Blocks:
-        """The rows reordered by `permute` (a function of a [rows, ...] array)."""
-        return Int4Blocks(
-            *(
-                torch.from_numpy(np.ascontiguousarray(permute(t.numpy())))
-                for t in vars(self).values()
-            )
-        )
+
+@dataclass
+class Int8Blocks(_Blocks):
+    """A [N, K] matrix as int8 blocks along K, w = d q (`cpu_kernels.gguf_to_blocks`: a GGUF
+    tensor's own codes where it stores int8 blocks, quantized from its values where not)."""
+
+    codes: torch.Tensor  # int8 [N, K], -127..127
+    d: torch.Tensor  # float16 [N, K / 32]
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -109,10 +122,15 @@ def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
 
 @dataclass
 class StoredProjections:
-    """How a file stores a model's projections, by (layer index, projection name as
-    `weight_transforms.PROJECTIONS`): the 4-bit blocks of those whose matrices are all stored in
-    4 bits, and which have a matrix stored in more (Q5_*, Q6_K, Q8_0: int4 weights keep those in
-    int8)."""
+    """How a file stores a model's matrices, each read from it when the model builder asks for
+    it. By (layer index, projection name as `weight_transforms.PROJECTIONS`): the 4-bit blocks of
+    a projection whose matrices are all stored in 4 bits; the int8 blocks of one whose matrices
+    can all be read as int8 blocks (`gguf_to_blocks`); which have a matrix stored in more than 4
+    bits (Q5_*, Q6_K, Q8_0: int4 weights keep those in int8). And the int8 blocks of the LM head
+    (the embedding's, when tied) and of an untied embedding, where the file's types read so."""
 
-    int4: dict[tuple[int, str], Int4Blocks] = field(default_factory=dict)
+    int4: dict[tuple[int, str], Callable[[], Int4Blocks]] = field(default_factory=dict)
+    int8: dict[tuple[int, str], Callable[[], Int8Blocks]] = field(default_factory=dict)
     wider: set[tuple[int, str]] = field(default_factory=set)
+    head: Callable[[], Int8Blocks] | None = None
+    embed: Callable[[], Int8Blocks] | None = None  # untied only

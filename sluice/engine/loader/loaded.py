@@ -3,13 +3,14 @@ and how its file stored them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..config import ModelConfig
-from .gguf_blocks import FLOAT_TYPES, Int4Blocks
+from .gguf_blocks import FLOAT_TYPES, Int4Blocks, Int8Blocks
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -18,14 +19,17 @@ if TYPE_CHECKING:
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    tensors: dict[
-        str, torch.Tensor
-    ]  # HF names; float32 unless load_model(dtype=...) asked otherwise
+    # HF names; float32 unless load_model(dtype=...) asked otherwise; a GGUF file's are read when
+    # asked for (`lazy_tensors`)
+    tensors: MutableMapping[str, torch.Tensor]
     tokenizer: Tokenizer | None  # None only when load_model(load_tokenizer=False)
     source: str  # path it came from
     # the layers' 4-bit matrices as the file's own blocks (`gguf_blocks`), by HF name: int4
     # weights are built from these rather than quantized again from the values
-    int4_blocks: dict[str, Int4Blocks] = field(default_factory=dict)
+    int4_blocks: Mapping[str, Int4Blocks] = field(default_factory=dict)
+    # every matrix of a type the native code reads as int8 blocks (`gguf_to_blocks`), by HF name:
+    # int8 weights are built from these without a float copy
+    int8_blocks: Mapping[str, Int8Blocks] = field(default_factory=dict)
     # the GGUF type of each layer matrix, by HF name (empty for other files)
     stored_types: dict[str, str] = field(default_factory=dict)
 

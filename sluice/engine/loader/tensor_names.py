@@ -7,11 +7,20 @@ a missing or misshapen one, and `model_weights` fuses and casts them into `model
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING
+
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelError
 from ..model import LayerWeights, ModelWeights
+from ..weights import BlockInt8Embedding
+from .lazy_tensors import LazyTensors, tensor_shape
+
+if TYPE_CHECKING:
+    from ..weight_transforms import BlockWeights
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -57,7 +66,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(
     config: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     source: str,
     origin: dict[str, str] | None = None,
 ) -> None:
@@ -66,14 +75,14 @@ def check_tensors(
     origin maps a tensor name to the file it was read from (default: `source`)."""
     origin = origin or {}
     for name, shape in expected_shapes(config).items():
-        t = tensors.get(name)
-        if t is None:
+        found = tensor_shape(tensors, name)
+        if found is None:
             raise ModelError(
                 f"{source}: missing tensor {name!r} (expected shape {list(shape)})", field=name
             )
-        if tuple(t.shape) != shape:
+        if found != shape:
             raise ModelError(
-                f"{origin.get(name, source)}: tensor {name!r} has shape {list(t.shape)}, "
+                f"{origin.get(name, source)}: tensor {name!r} has shape {list(found)}, "
                 f"expected {list(shape)}",
                 field=name,
             )
@@ -89,17 +98,30 @@ PROJECTION_PARTS = {
 }
 
 
+def _discard(tensors: MutableMapping[str, torch.Tensor], name: str) -> None:
+    """`name` out of the mapping, without reading a lazy tensor's values to do it."""
+    if isinstance(tensors, LazyTensors):
+        tensors.discard(name)
+    else:
+        tensors.pop(name, None)
+
+
 def model_weights(
     config: ModelConfig,
-    tensors: dict[str, torch.Tensor],
+    tensors: MutableMapping[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device | str,
     *,
     take: bool = False,
+    blocks: BlockWeights | None = None,
 ) -> ModelWeights:
-    """The model's weights from checked HF-named tensors, cast and moved. The dict is unchanged,
-    or with `take` each tensor is taken out of it as it is used, so that a part of a fused matrix
-    is freed as soon as the fused copy exists rather than when the whole model is built."""
+    """The model's weights from checked HF-named tensors, cast and moved. The mapping is
+    unchanged, or with `take` each tensor is taken out of it as it is used, so that a part of a
+    fused matrix is freed as soon as the fused copy exists rather than when the whole model is
+    built. With `blocks` (a model quantized for the native kernels), each layer's projections
+    are made by it as the layer is built, and the LM head (with a tied embedding) from the file's
+    own blocks where it has them: a quantized model never holds all its float matrices at once.
+    Without, they are the stacked float matrices."""
 
     def get(name: str) -> torch.Tensor:
         return (tensors.pop(name) if take else tensors[name]).to(device=device, dtype=dtype)
@@ -110,6 +132,16 @@ def model_weights(
     def optional(name: str, present: bool) -> torch.Tensor | None:
         return get(name) if present else None
 
+    def matrix(n: int, name: str, bias: torch.Tensor | None = None) -> torch.Tensor | nn.Module:
+        names = [f"model.layers.{n}.{part}.weight" for part in PROJECTION_PARTS[name]]
+        if blocks is None:
+            return cat(*names)
+        built = blocks.projection((n, name), lambda: cat(*names), bias)
+        if take:
+            for part in names:
+                _discard(tensors, part)
+        return built
+
     layers = []
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
@@ -117,16 +149,17 @@ def model_weights(
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+        o_bias = get(a + "o_proj.bias") if config.o_proj_bias else None
         layers.append(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
                 post_attention_norm=get(p + "post_attention_layernorm.weight"),
-                qkv=cat(*(f"{p}{part}.weight" for part in PROJECTION_PARTS["qkv"])),
+                qkv=matrix(n, "qkv", qkv_bias),
                 qkv_bias=qkv_bias,
-                o=get(a + "o_proj.weight"),
-                o_bias=get(a + "o_proj.bias") if config.o_proj_bias else None,
-                gate_up=cat(*(f"{p}{part}.weight" for part in PROJECTION_PARTS["gate_up"])),
-                down=get(p + "mlp.down_proj.weight"),
+                o=matrix(n, "o_proj", o_bias),
+                o_bias=o_bias,
+                gate_up=matrix(n, "gate_up"),
+                down=matrix(n, "down"),
                 pre_feedforward_norm=optional(
                     p + "pre_feedforward_layernorm.weight", config.sandwich_norms
                 ),
@@ -137,10 +170,20 @@ def model_weights(
                 k_norm=optional(a + "k_norm.weight", config.qk_norm),
             )
         )
-    lm_head = None if config.tie_word_embeddings else get("lm_head.weight")
-    return ModelWeights(
-        embed=get("model.embed_tokens.weight"),
-        norm=get("model.norm.weight"),
-        lm_head=lm_head,
-        layers=layers,
-    )
+    tied = config.tie_word_embeddings
+    head = None if blocks is None else blocks.head()
+    embed: torch.Tensor | nn.Module | None = None
+    if head is not None and tied:
+        embed = BlockInt8Embedding(head, dtype)  # its rows read from the head's blocks
+    elif blocks is not None and not tied:
+        embed = blocks.embedding(dtype)
+    if embed is None:
+        embed = get("model.embed_tokens.weight")
+    else:
+        _discard(tensors, "model.embed_tokens.weight")
+    lm_head: torch.Tensor | nn.Module | None = head
+    if head is None and not tied:
+        lm_head = get("lm_head.weight")
+    elif head is not None and not tied:
+        _discard(tensors, "lm_head.weight")
+    return ModelWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers)

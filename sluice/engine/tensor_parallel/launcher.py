@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -178,7 +178,7 @@ class Workers:
 
     def start(
         self,
-        tensors: dict[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor],
         engine_config: EngineConfig,
         kernels: str,
         num_blocks: int,

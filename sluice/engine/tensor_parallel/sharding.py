@@ -14,6 +14,7 @@ rank 0 alone, so that the all-reduce adds it once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -100,7 +101,7 @@ class ShardPlan:
         )
 
     def rank_tensors(
-        self, tensors: dict[str, torch.Tensor], rank: int, layers_only: bool = False
+        self, tensors: Mapping[str, torch.Tensor], rank: int, layers_only: bool = False
     ) -> dict[str, torch.Tensor]:
         """Rank `rank`'s slices of HF-named tensors (views where they can be). `layers_only`
         leaves out the vocabulary matrices and the final norm (a worker never embeds nor computes
