@@ -80,8 +80,10 @@ int64_t sluice_block_int4_packed_bytes(int64_t N, int64_t K) {
 void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N,
                             int64_t K, uint8_t *packed) {
     const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
-    memset(packed, 0, (size_t)(P * nb * Q4_BLOCK_BYTES));
-    for (int64_t p = 0; p < P; p++)
+    /* panels apart: a large matrix packs on every core (a start packs the whole model) */
+#pragma omp parallel for schedule(static) if (P * nb > 256)
+    for (int64_t p = 0; p < P; p++) {
+        memset(packed + p * nb * Q4_BLOCK_BYTES, 0, (size_t)(nb * Q4_BLOCK_BYTES));
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = packed + (p * nb + b) * Q4_BLOCK_BYTES;
             uint16_t *dd = (uint16_t *)(blk + KB * NC / 2), *mm = dd + NC;
@@ -97,14 +99,16 @@ void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint1
                 }
             }
         }
+    }
 }
 
 /* codes int8 [N, nb * 32] (k past K zero), scales float16 bits [N, nb]. */
 void sluice_block_int8_pack(const int8_t *codes, const uint16_t *scales, int64_t N, int64_t K,
                             uint8_t *packed) {
     const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
-    memset(packed, 128, (size_t)(P * nb * BLOCK_BYTES));
-    for (int64_t p = 0; p < P; p++)
+#pragma omp parallel for schedule(static) if (P * nb > 256)
+    for (int64_t p = 0; p < P; p++) {
+        memset(packed + p * nb * BLOCK_BYTES, 128, (size_t)(nb * BLOCK_BYTES));
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *blk = packed + (p * nb + b) * BLOCK_BYTES;
             uint16_t *sc = (uint16_t *)(blk + KB * NC);
@@ -117,6 +121,7 @@ void sluice_block_int8_pack(const int8_t *codes, const uint16_t *scales, int64_t
                         (uint8_t)(codes[n * kp + b * KB + t] + 128);
             }
         }
+    }
 }
 
 /* IEEE half to float, exactly (the portable path's reading of the scales). */
