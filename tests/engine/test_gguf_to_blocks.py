@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from test_gguf_loader import _raw_tensor, reference_dequantize
 
 from sluice.engine.cpu_kernels.block_int8_linear import dequantize_blocks, quantize_blocks
-from sluice.engine.cpu_kernels.gguf_to_blocks import gguf_int8_blocks
+from sluice.engine.cpu_kernels.gguf_to_blocks import gguf_int4_blocks, gguf_int8_blocks
+from sluice.engine.loader.gguf_blocks import int4_blocks
 
 SHAPE = (6, 512)
 
@@ -51,6 +52,18 @@ def test_other_types_are_quantized_again_with_the_python_paths_bits(name):
     assert (np.abs(got - exact) <= step * (0.5 + 127 * 2**-11) + 1e-12).all()
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4_bit_types_give_the_blocks_numpy_reads(name):
+    """The native reading of a 4-bit tensor's own blocks (what int4 weights are built from) is
+    the numpy one's, tensor for tensor (which test_gguf_loader checks against the float64
+    decoders)."""
+    raw = _raw(Q[name], seed=5)
+    got = gguf_int4_blocks(raw, name, SHAPE)
+    want = int4_blocks(raw, name, SHAPE)
+    for mine, theirs in zip(got, (want.codes, want.d, want.m)):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
 def test_a_zero_block_and_tiny_scales():
     """An all-zero block gets scale 0 and zero codes; subnormal float16 scales decode exactly."""
     blocks = np.zeros((SHAPE[0] * SHAPE[1] // 32, 34), dtype=np.uint8)
@@ -79,3 +92,5 @@ def test_types_and_shapes_it_does_not_read_are_refused():
         gguf_int8_blocks(_raw(Q.Q8_0)[:-34], "Q8_0", SHAPE)
     with pytest.raises(ValueError, match="Q6_K blocks"):
         gguf_int8_blocks(np.zeros(5 * 210, np.uint8), "Q6_K", (5, 288))
+    with pytest.raises(ValueError, match="Q8_0"):
+        gguf_int4_blocks(_raw(Q.Q8_0), "Q8_0", SHAPE)

@@ -13,6 +13,11 @@
  *   into one fused operation (the pragma below), and every operation is a plain IEEE one.
  *
  * Scales are returned as float32 (the caller rounds them to float16, as the Python path does).
+ *
+ * `sluice_gguf_to_int4_blocks` reads a 4-bit tensor's own codes (0..15) with each block of 32's d
+ * and m (w = d q + m), as `loader/gguf_blocks.int4_blocks` does with numpy: Q4_1's as stored,
+ * Q4_0's m = -8 d, Q4_K's d sc and -(dmin mn) (float32 products, exact; rounded to float16 by the
+ * caller).
  */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
@@ -199,5 +204,48 @@ int sluice_gguf_to_int8_blocks(const uint8_t *raw, int type, int64_t rows, int64
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
     for (int64_t r = 0; r < rows; r++)
         row_blocks(raw + r * row_bytes, type, nb, codes + r * K, scales + r * nb);
+    return 0;
+}
+
+/* rows x K values of a 4-bit type (Q4_0, Q4_1, Q4_K) -> codes uint8 [rows, K] in 0..15, d and m
+ * float32 [rows, K / 32]. Returns -1 for another type or a K it cannot read, else 0. */
+int sluice_gguf_to_int4_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K,
+                               uint8_t *codes, float *d_out, float *m_out, int num_threads) {
+    const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
+    const int64_t per_block = type == T_Q4_K ? 256 : 32;
+    if (!(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) || K % per_block != 0) return -1;
+    const int64_t nb = K / KB;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * row_bytes;
+        uint8_t *q = codes + r * K;
+        float *d = d_out + r * nb, *m = m_out + r * nb;
+        if (type == T_Q4_K) {
+            for (int64_t s = 0; s < nb / 8; s++) {
+                const uint8_t *blk = row + 144 * s;
+                const float sd = f16_to_f32(blk), smin = f16_to_f32(blk + 2);
+                for (int j = 0; j < 8; j++) { /* block j: group j / 2, low or high nibbles */
+                    int sc, mn;
+                    k_scale_min(blk + 4, j, &sc, &mn);
+                    d[8 * s + j] = sd * (float)sc;
+                    m[8 * s + j] = -(smin * (float)mn);
+                    const uint8_t *qs = blk + 16 + 32 * (j / 2);
+                    for (int l = 0; l < 32; l++)
+                        q[KB * (8 * s + j) + l] = (j & 1) ? qs[l] >> 4 : qs[l] & 0x0f;
+                }
+            }
+        } else {
+            const int size = type == T_Q4_0 ? 18 : 20;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + size * b, *qs = blk + size - 16;
+                d[b] = f16_to_f32(blk);
+                m[b] = type == T_Q4_0 ? -8.0f * d[b] : f16_to_f32(blk + 2);
+                for (int j = 0; j < 16; j++) {
+                    q[KB * b + j] = qs[j] & 0x0f;
+                    q[KB * b + j + 16] = qs[j] >> 4;
+                }
+            }
+        }
+    }
     return 0;
 }

@@ -4,6 +4,10 @@ Q4_0 and Q4_1 decoded and quantized by GGUF's Q8_0 rule with the bits of
 `block_int8_linear.quantize_blocks` over numpy's decoded values.
 
     codes, scales = gguf_int8_blocks(raw, "Q6_K", (n, k))   # int8 [N, K], float16 [N, K / 32]
+    codes, d, m = gguf_int4_blocks(raw, "Q4_K", (n, k))     # uint8 0..15, float16, float16
+
+`gguf_int4_blocks` gives the 4-bit types' own blocks, as `loader.gguf_blocks.int4_blocks` does
+with numpy (the same values; that one also serves where the native code is not built).
 """
 
 from __future__ import annotations
@@ -16,7 +20,18 @@ from . import require_library
 # GGML's numbers for the types the native code reads
 TYPE_NUMBERS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 INT8_TYPES = tuple(TYPE_NUMBERS)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 BLOCK = 32
+
+
+def _bytes_of(raw: np.ndarray, type_name: str, shape: tuple[int, int], types) -> np.ndarray:
+    if type_name not in types:
+        raise ValueError(f"{type_name} is not read so ({', '.join(types)})")
+    n, k = shape
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if data.size != n * require_library().sluice_gguf_row_bytes(TYPE_NUMBERS[type_name], k):
+        raise ValueError(f"{data.size} bytes are not a [{n}, {k}] {type_name} tensor")
+    return data
 
 
 def gguf_int8_blocks(
@@ -24,14 +39,10 @@ def gguf_int8_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A [N, K] tensor stored as `type_name` (its bytes, uint8) as int8 codes [N, K] and float16
     scales [N, K / 32]."""
-    if type_name not in TYPE_NUMBERS:
-        raise ValueError(f"{type_name} is not read as int8 blocks ({', '.join(INT8_TYPES)})")
+    data = _bytes_of(raw, type_name, shape, INT8_TYPES)
     n, k = shape
     lib = require_library()
     kind = TYPE_NUMBERS[type_name]
-    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    if data.size != n * lib.sluice_gguf_row_bytes(kind, k):
-        raise ValueError(f"{data.size} bytes are not a [{n}, {k}] {type_name} tensor")
     codes = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, k // BLOCK, dtype=torch.float32)
     rc = lib.sluice_gguf_to_int8_blocks(
@@ -40,3 +51,27 @@ def gguf_int8_blocks(
     if rc != 0:
         raise ValueError(f"K = {k} does not split into {type_name} blocks")
     return codes, scales.to(torch.float16)
+
+
+def gguf_int4_blocks(
+    raw: np.ndarray, type_name: str, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [N, K] tensor stored in 4 bits as its codes uint8 [N, K] (0..15) and each block's d and m
+    float16 [N, K / 32] (w = d q + m)."""
+    data = _bytes_of(raw, type_name, shape, INT4_TYPES)
+    n, k = shape
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    d, m = (torch.empty(n, k // BLOCK, dtype=torch.float32) for _ in range(2))
+    rc = require_library().sluice_gguf_to_int4_blocks(
+        data.ctypes.data,
+        TYPE_NUMBERS[type_name],
+        n,
+        k,
+        codes.data_ptr(),
+        d.data_ptr(),
+        m.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"K = {k} does not split into {type_name} blocks")
+    return codes, d.to(torch.float16), m.to(torch.float16)

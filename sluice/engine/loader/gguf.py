@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
-from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int8_blocks
+from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int4_blocks, gguf_int8_blocks
 from ..errors import ModelError
 from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, int4_blocks
 from .lazy_tensors import LazyMapping, LazyTensors
@@ -294,9 +294,10 @@ def _qk_heads(name: str, config: ModelConfig, gguf_arch: str) -> int | None:
 
 
 def _read_int4_blocks(t: Any, name: str, config: ModelConfig, gguf_arch: str) -> Int4Blocks:
-    """A 4-bit matrix's blocks as the file stores them, in HF's row order."""
+    """A 4-bit matrix's blocks as the file stores them, in HF's row order (read by the native
+    code: they are read only for the native kernels)."""
     k, n = (int(d) for d in t.shape)
-    stored = int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k))
+    stored = Int4Blocks(*gguf_int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k)))
     heads = _qk_heads(name, config, gguf_arch)
     if heads is not None:
         stored = stored.rows_permuted(lambda a: unpermute_qk(a, heads))
