@@ -59,6 +59,7 @@ def prepare_model(
         # whole matrices)
         int4_blocks=loaded.int4_blocks if shards is None else None,
         int8_blocks=loaded.int8_blocks if shards is None else None,
+        stored_rows=loaded.stored_rows if shards is None else None,
         stored_types=loaded.stored_types if shards is None else None,
         take_tensors=shards is None,
     )

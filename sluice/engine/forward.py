@@ -32,16 +32,18 @@ from .captured_decode import CapturedDecode
 from .config import EngineConfig
 from .cpu_kernels.decode_forward import (
     EMBED_BLOCKS,
+    EMBED_FILE,
     EMBED_ROWS_INT8,
     EMBED_TABLE,
     DecodeForward,
     EmbeddingRows,
 )
 from .cpu_kernels.decoder_layers import LayerStack
+from .cpu_kernels.gguf_to_blocks import TYPE_NUMBERS
 from .model import CausalLM
 from .paged_cache import LayerKVCache
 from .step_plan import AttentionSpec, StepPlan, build_step_plan
-from .weights import BlockInt8Embedding, Embedding, Int8Embedding
+from .weights import BlockInt8Embedding, Embedding, FileEmbedding, Int8Embedding
 
 Embed = Callable[[list[int]], torch.Tensor]  # token ids -> embeddings [T, H]
 
@@ -244,10 +246,14 @@ def choose_forward(
 def embedding_rows(model: CausalLM) -> EmbeddingRows | None:
     """The model's token table as the one-call decode reads it, or None where it is in none of
     those forms: a table in the model's type, rows of a packed int8 head (`BlockInt8Embedding`),
-    int8 rows with a float32 scale each (`Int8Embedding`)."""
+    int8 rows with a float32 scale each (`Int8Embedding`), a GGUF tensor's own blocks
+    (`FileEmbedding`)."""
     embed = model.embed_tokens
     if isinstance(embed, BlockInt8Embedding) and embed.dtype == model.dtype:
         return EmbeddingRows(EMBED_BLOCKS, embed.packed.data, None, embed.packed.n)
+    if isinstance(embed, FileEmbedding) and embed.dtype == model.dtype:
+        number = TYPE_NUMBERS[embed.type_name]
+        return EmbeddingRows(EMBED_FILE, embed.data, None, embed.shape[0], number)
     if isinstance(embed, Embedding) and embed.weight.dtype == model.dtype:
         weight = embed.weight
         if weight.is_contiguous():

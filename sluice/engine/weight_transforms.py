@@ -16,6 +16,7 @@ from .weights import (
     BlockInt8Embedding,
     BlockInt8Linear,
     Embedding,
+    FileEmbedding,
     FixedOrderLinear,
     Int8Embedding,
     Int8Linear,
@@ -80,7 +81,7 @@ def cast_unquantized(model: CausalLM, dtype: torch.dtype) -> None:
         if p.is_floating_point():
             p.data = p.data.to(dtype)
     for module in model.modules():
-        if isinstance(module, (Int8Embedding, BlockInt8Embedding)):
+        if isinstance(module, (Int8Embedding, BlockInt8Embedding, FileEmbedding)):
             module.dtype = dtype
     model.dtype = dtype
 
@@ -157,14 +158,13 @@ class BlockWeights:
             return None
         return BlockInt8Linear.from_int8_blocks(self.stored.head(), None)
 
-    def embedding(self, dtype: torch.dtype) -> BlockInt8Embedding | None:
-        """An untied embedding from the file's blocks (its rows read from them, in `dtype`); None
-        where its type does not read so."""
+    def embedding(self, dtype: torch.dtype) -> FileEmbedding | None:
+        """An untied embedding left in the file, its rows decoded from the file's blocks when
+        looked up, in `dtype`; None where its type does not read so."""
         if self.stored.embed is None:
             return None
-        return BlockInt8Embedding(
-            BlockInt8Linear.from_int8_blocks(self.stored.embed(), None), dtype
-        )
+        rows = self.stored.embed()
+        return FileEmbedding(rows.map(), rows.type_name, rows.shape, dtype)
 
 
 def quantize_in_blocks(
@@ -181,7 +181,7 @@ def quantize_in_blocks(
     head, embed = model.lm_head, model.embed_tokens
     built_head = isinstance(head, BlockInt8Linear)
     if not (isinstance(head, Linear) or built_head) or not isinstance(
-        embed, (Embedding, BlockInt8Embedding)
+        embed, (Embedding, BlockInt8Embedding, FileEmbedding)
     ):
         raise RuntimeError("quantize before packing: packed weights cannot be quantized")
     weights = BlockWeights(bits, stored)

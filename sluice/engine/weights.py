@@ -8,7 +8,9 @@ built model's weights from one form into another).
   multiplied as stored by the native kernel (CPU);
 - `FixedOrderLinear`: the weight packed for deterministic mode's fixed-order matmul (CPU);
 - `Embedding`, `Int8Embedding`, `BlockInt8Embedding`: the token table, plain, as int8 rows with
-  scales, or read from a tied LM head's blocked int8 matrix (one int8 copy serves both).
+  scales, or read from a tied LM head's blocked int8 matrix (one int8 copy serves both);
+- `FileEmbedding`: an untied token table left in the model file, in its own format, its rows
+  decoded when looked up.
 
 Each form computes itself with plain torch (`layer(x)`); a kernel family may compute a form its
 own way instead (`KernelOps.linear`).
@@ -16,8 +18,10 @@ own way instead (`KernelOps.linear`).
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -247,3 +251,26 @@ class BlockInt8Embedding(nn.Module):
         from .cpu_kernels.block_int8_linear import block_int8_rows
 
         return block_int8_rows(self.packed, input_ids, self.dtype)
+
+
+class FileEmbedding(nn.Module):
+    """Token rows decoded from a model file's own blocks when they are looked up
+    (`cpu_kernels.gguf_to_blocks.gguf_rows`), returned in `dtype`: the table stays in a memory
+    map of its part of the file (`raw`), in the file's format (no packed copy: the 1.5B Qwen
+    file's is 131 MiB as stored, 248 MiB as int8 blocks), and only the rows a step reads are paged
+    in. Their values are the file's exactly."""
+
+    data: torch.Tensor  # the file's bytes of the table (a view of its map)
+
+    def __init__(self, raw: np.ndarray, type_name: str, shape: tuple[int, int], dtype):
+        super().__init__()
+        self.raw, self.type_name, self.shape, self.dtype = raw, type_name, shape, dtype
+        with warnings.catch_warnings():  # the file's map is read-only, and never written here
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(raw)
+        self.register_buffer("data", data, persistent=False)  # counted with the weights
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from .cpu_kernels.gguf_to_blocks import gguf_rows
+
+        return gguf_rows(self.raw, self.type_name, self.shape, input_ids).to(self.dtype)

@@ -3,9 +3,9 @@ layer-by-layer path: the same sampled tokens and the same logprobs, exactly, ove
 prefills, mixed prefill/decode steps, prefix-cache hits and random batch mates, for int8 and int4
 weights in float32 and bfloat16, an int8 KV cache, attention and o_proj biases, a sliding window,
 and deterministic mode's fixed-order weights; steps of decodes only run from token ids to the final
-norm in one call (`DecodeForward`: the embedding, from a table, a packed int8 head or int8 rows,
-and the final norm too). Each case also checks that the one calls really ran (and the
-layer-by-layer path really did not)."""
+norm in one call (`DecodeForward`: the embedding, from a table, a packed int8 head, int8 rows or a
+GGUF file's own blocks, and the final norm too). Each case also checks that the one calls really
+ran (and the layer-by-layer path really did not)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,39 @@ def _outputs(e):
 def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
     kind, overrides, config = CASES[name]
     build(kind, **{**D64, **overrides}).save_pretrained(tmp_path)
+    _one_call_matches_layer_by_layer(tmp_path, monkeypatch, config)
+
+
+@pytest.mark.parametrize(
+    "qtype, config",
+    [("Q5_0", dict(quantization="int4")), ("Q8_0", dict(quantization="int8", dtype="bfloat16"))],
+    ids=["Q5_0-int4", "Q8_0-int8-bf16"],
+)
+def test_one_call_reads_an_untied_embedding_left_in_the_file(tmp_path, monkeypatch, qtype, config):
+    """A GGUF whose untied embedding is stored as `qtype`: its rows are decoded from the file's
+    blocks (`FileEmbedding`), by the one decode call as by torch."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+    from test_gguf_loader import write_gguf
+
+    from sluice.engine.weights import FileEmbedding
+
+    def stored(t):
+        return quants.quantize(t.astype(np.float32), Q[qtype]), Q[qtype]
+
+    # (head size 64 as hidden / heads: the file's writer here names no head size)
+    shape = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    write_gguf(tmp_path / "m.gguf", build("llama", **shape), "llama", override={
+        "token_embd.weight": stored
+    })  # fmt: skip
+    e = _one_call_matches_layer_by_layer(tmp_path, monkeypatch, config)
+    assert isinstance(e.runner.model.embed_tokens, FileEmbedding)
+
+
+def _one_call_matches_layer_by_layer(path, monkeypatch, config):
+    """The engine on the model at `path` with `config`, through the one calls and layer by layer:
+    the same outputs; the layer-by-layer engine."""
     config = dict(block_size=16, max_num_batched_tokens=48, device="cpu", **config)
     calls = {"stack": 0, "decodes": 0}
     run, run_decodes = LayerStack.run, DecodeForward.run
@@ -78,7 +111,7 @@ def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(LayerStack, "run", counted)
     monkeypatch.setattr(DecodeForward, "run", counted_decodes)
-    e = engine(tmp_path, "native", **config)
+    e = engine(path, "native", **config)
     assert isinstance(e.runner.route, NativeStack), e.runner.route.name
     stacked = _outputs(e)
     assert calls["stack"] > 0, "the one call never ran"
@@ -88,11 +121,12 @@ def test_one_call_gives_the_layer_by_layer_bits(tmp_path, monkeypatch, name):
 
     monkeypatch.setattr(NativeOps, "runs_layer_stack", lambda self, spec: False)
     calls.update(stack=0, decodes=0)
-    e = engine(tmp_path, "native", **config)
+    e = engine(path, "native", **config)
     assert type(e.runner.route) is LayerByLayer, e.runner.route.name
     layered = _outputs(e)
     assert calls == {"stack": 0, "decodes": 0}
     assert stacked == layered
+    return e
 
 
 def test_float_weights_stay_on_the_layer_by_layer_path(tmp_path):

@@ -498,8 +498,9 @@ def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, monkeypatch):
     llama.cpp's mixed files keep their most sensitive matrices wider, and Q8_0 vocabulary
     matrices): with int4 weights the projections stored in 4 bits hold the file's blocks, and
     those with a Q6_K matrix are int8 blocks, whose values are within half an int8 step (and its
-    float16 rounding) of the file's (float64 reference decoder); the LM head and the embedding
-    hold the file's own codes. No matrix is read as floats on the way (only the norms are)."""
+    float16 rounding) of the file's (float64 reference decoder); the LM head holds the file's own
+    codes and the embedding's rows are read from the file's blocks (`FileEmbedding`). No matrix
+    is read as floats on the way (only the norms are)."""
     from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
     from sluice.engine.kernel_ops import resolve_kernel_ops
     from sluice.engine.loader.tensor_names import PROJECTION_PARTS
@@ -541,7 +542,7 @@ def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, monkeypatch):
     model = build_model(
         loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
         int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
-        stored_types=loaded.stored_types,
+        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
     )  # fmt: skip
     assert read_as_floats and all(name.endswith("norm.weight") for name in read_as_floats)
     vocab, hidden = hf.config.vocab_size, hf.config.hidden_size

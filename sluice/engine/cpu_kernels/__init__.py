@@ -293,6 +293,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_gguf_row_bytes": (i64, [i32, i64]),
         "sluice_gguf_to_int8_blocks": (i32, [ptr, i32, i64, i64, ptr, ptr, i32]),
         "sluice_gguf_to_int4_blocks": (i32, [ptr, i32, i64, i64, ptr, ptr, ptr, i32]),
+        "sluice_gguf_rows": (i32, [ptr, i32, i64, i64, ptr, i64, ptr]),
         "sluice_reserve_start": (ptr, [ptr, ptr, i64, i64]),
         "sluice_reserve_state": (i32, [ptr]),
         "sluice_reserve_seconds": (ctypes.c_double, [ptr]),

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from ..paged_cache import LayerKVCache
 
 # decoder_layers.c's embedding kinds: rows copied from a table in the model's type, dequantized
-# from a packed int8 head, or int8 codes times a float32 scale a row
-EMBED_TABLE, EMBED_BLOCKS, EMBED_ROWS_INT8 = 0, 1, 2
+# from a packed int8 head, int8 codes times a float32 scale a row, or decoded from a GGUF
+# tensor's own blocks
+EMBED_TABLE, EMBED_BLOCKS, EMBED_ROWS_INT8, EMBED_FILE = 0, 1, 2, 3
 
 
 def _address(a: array) -> int:
@@ -43,19 +44,22 @@ class _Embedding(ctypes.Structure):
         ("scales", ctypes.c_void_p),
         ("vocab", ctypes.c_int64),
         ("kind", ctypes.c_int64),
+        ("file_type", ctypes.c_int64),
     ]
 
 
 @dataclass(frozen=True)
 class EmbeddingRows:
     """The token table as the C call reads it: `kind` one of EMBED_*; `data` the rows in the
-    model's type, a packed int8 head's blocks, or int8 codes; `scales` float32, one a row (int8
-    codes only); `vocab` rows."""
+    model's type, a packed int8 head's blocks, int8 codes, or a GGUF tensor's bytes; `scales`
+    float32, one a row (int8 codes only); `vocab` rows; `file_type` GGML's number of the GGUF
+    tensor's type (EMBED_FILE only)."""
 
     kind: int
     data: torch.Tensor
     scales: torch.Tensor | None
     vocab: int
+    file_type: int = 0
 
 
 class DecodeForward:
@@ -74,6 +78,7 @@ class DecodeForward:
             None if rows.scales is None else rows.scales.data_ptr(),
             rows.vocab,
             rows.kind,
+            rows.file_type,
         )
         self.dtype = model.dtype
         # the LM head as the C call takes it and its rows; None: not packed for a C kernel

@@ -167,17 +167,35 @@ int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const slui
 
 int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
                            int64_t T, void *out, int bf16);
+int sluice_gguf_rows(const uint8_t *raw, int type, int64_t N, int64_t K, const int64_t *ids,
+                     int64_t T, float *out);
 
 /* Where a step's token embeddings come from. */
 #define EMBED_TABLE 0     /* a [vocab, H] table in the activations' type: rows copied */
 #define EMBED_BLOCKS 1    /* a tied LM head's packed int8 [vocab, H] matrix: rows dequantized */
 #define EMBED_ROWS_INT8 2 /* int8 codes [vocab, H] and a float32 scale a row (`Int8Embedding`) */
+#define EMBED_FILE 3      /* a GGUF tensor's own blocks (`FileEmbedding`): rows decoded */
 
 typedef struct {
     const void *data;
     const float *scales; /* EMBED_ROWS_INT8's */
     int64_t vocab, kind;
+    int64_t file_type; /* EMBED_FILE's: GGML's number of the tensor's type */
 } sluice_embedding;
+
+/* Rows of an EMBED_FILE table into x in the activations' type: decoded to float32 (gguf_to_blocks.c)
+ * and, for bfloat16, rounded once, as torch's cast of those rows rounds them. */
+static int file_rows(const sluice_embedding *e, const int64_t *ids, int64_t T, int64_t H, int bf16,
+                     char *x) {
+    float *rows = bf16 ? malloc(sizeof(float) * (size_t)(T * H)) : (float *)x;
+    if (rows == NULL) return -1;
+    int rc = sluice_gguf_rows(e->data, (int)e->file_type, e->vocab, H, ids, T, rows);
+    if (bf16) {
+        for (int64_t i = 0; rc == 0 && i < T * H; i++) ((uint16_t *)x)[i] = float_to_bf16(rows[i]);
+        free(rows);
+    }
+    return rc == 0 ? 0 : -3;
+}
 
 /* Row `id` of an EMBED_ROWS_INT8 table as torch computes it in the model's type: code and scale
  * each in that type, their product rounded to it. */
@@ -217,6 +235,8 @@ int sluice_decode_forward(const sluice_layer *layers, int num_layers, const slui
     if (embed->kind == EMBED_BLOCKS) {
         if (sluice_block_int8_rows(embed->data, embed->vocab, H, ids, T, x, step->bf16) != 0)
             rc = -3;
+    } else if (embed->kind == EMBED_FILE) {
+        rc = file_rows(embed, ids, T, H, step->bf16, x);
     } else {
         for (int64_t t = 0; t < T && rc == 0; t++) {
             if (ids[t] < 0 || ids[t] >= embed->vocab)

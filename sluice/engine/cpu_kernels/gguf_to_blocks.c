@@ -78,18 +78,102 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Values of a type's unit: a block of 32, or a K-quant's super-block of 256. */
+static int unit_of(int type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : 32; }
+
+/* Unit `u` of a row's bytes decoded to its float32 values, as numpy's decoders compute them. */
+static void decode_unit(const uint8_t *raw, int type, int64_t u, float *v) {
+    switch (type) {
+    case T_Q8_0: {
+        const uint8_t *blk = raw + 34 * u;
+        const float d = f16_to_f32(blk);
+        for (int j = 0; j < KB; j++) v[j] = (float)(int8_t)blk[2 + j] * d;
+        return;
+    }
+    case T_Q5_0: {
+        const uint8_t *blk = raw + 22 * u;
+        const float d = f16_to_f32(blk);
+        uint32_t qh;
+        memcpy(&qh, blk + 2, 4);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (blk[6 + j] & 0x0f) | (((qh >> j) & 1) << 4);
+            const int hi = (blk[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+            v[j] = d * (float)(lo - 16);
+            v[j + 16] = d * (float)(hi - 16);
+        }
+        return;
+    }
+    case T_Q4_0:
+    case T_Q4_1: {
+        const int size = type == T_Q4_0 ? 18 : 20;
+        const uint8_t *blk = raw + size * u, *qs = blk + size - 16;
+        const float d = f16_to_f32(blk);
+        for (int j = 0; j < 16; j++) {
+            if (type == T_Q4_0) {
+                v[j] = d * (float)((qs[j] & 0x0f) - 8);
+                v[j + 16] = d * (float)((qs[j] >> 4) - 8);
+            } else {
+                const float m = f16_to_f32(blk + 2);
+                v[j] = d * (float)(qs[j] & 0x0f) + m;
+                v[j + 16] = d * (float)(qs[j] >> 4) + m;
+            }
+        }
+        return;
+    }
+    case T_Q4_K: {
+        const uint8_t *blk = raw + 144 * u;
+        const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+        for (int g = 0; g < 4; g++) { /* 64 values: low nibbles, then high */
+            const uint8_t *qs = blk + 16 + 32 * g;
+            for (int half = 0; half < 2; half++) {
+                int sc, mn;
+                k_scale_min(blk + 4, 2 * g + half, &sc, &mn);
+                const float ds = d * (float)sc, dm = dmin * (float)mn;
+                for (int l = 0; l < 32; l++) {
+                    const int q = half ? qs[l] >> 4 : qs[l] & 0x0f;
+                    v[64 * g + 32 * half + l] = ds * (float)q - dm;
+                }
+            }
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const uint8_t *blk = raw + 210 * u;
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16_to_f32(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            for (int l = 0; l < 32; l++) {
+                const int is = 8 * half + l / 16;
+                const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                float *y = v + 128 * half;
+                y[l] = (d * (float)sc[is]) * (float)q1;
+                y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
+                y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
+                y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
+            }
+            ql += 64;
+            qh += 32;
+        }
+        return;
+    }
+    }
+}
+
 /* One row: `nb` output blocks from the row's bytes. */
 static void row_blocks(const uint8_t *raw, int type, int64_t nb, int8_t *codes, float *scales) {
-    float v[256];
-    switch (type) {
-    case T_Q8_0:
+    if (type == T_Q8_0) { /* int8 blocks already: as stored */
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = raw + 34 * b;
             scales[b] = f16_to_f32(blk);
             memcpy(codes + KB * b, blk + 2, KB);
         }
         return;
-    case T_Q5_0:
+    }
+    if (type == T_Q5_0) { /* w = d (q - 16): the codes q - 16 with d */
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = raw + 22 * b;
             uint32_t qh;
@@ -103,73 +187,15 @@ static void row_blocks(const uint8_t *raw, int type, int64_t nb, int8_t *codes, 
             scales[b] = f16_to_f32(blk);
         }
         return;
-    case T_Q4_0:
-    case T_Q4_1: {
-        const int size = type == T_Q4_0 ? 18 : 20;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = raw + size * b;
-            const float d = f16_to_f32(blk);
-            const uint8_t *qs = blk + size - 16;
-            for (int j = 0; j < 16; j++) {
-                if (type == T_Q4_0) {
-                    v[j] = d * (float)((qs[j] & 0x0f) - 8);
-                    v[j + 16] = d * (float)((qs[j] >> 4) - 8);
-                } else {
-                    const float m = f16_to_f32(blk + 2);
-                    v[j] = d * (float)(qs[j] & 0x0f) + m;
-                    v[j + 16] = d * (float)(qs[j] >> 4) + m;
-                }
-            }
-            quantize_block(v, codes + KB * b, scales + b);
-        }
-        return;
     }
-    case T_Q4_K:
-        for (int64_t s = 0; s < nb / 8; s++) {
-            const uint8_t *blk = raw + 144 * s;
-            const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
-            for (int g = 0; g < 4; g++) { /* 64 values: low nibbles, then high */
-                const uint8_t *qs = blk + 16 + 32 * g;
-                for (int half = 0; half < 2; half++) {
-                    int sc, mn;
-                    k_scale_min(blk + 4, 2 * g + half, &sc, &mn);
-                    const float ds = d * (float)sc, dm = dmin * (float)mn;
-                    for (int l = 0; l < 32; l++) {
-                        const int q = half ? qs[l] >> 4 : qs[l] & 0x0f;
-                        v[64 * g + 32 * half + l] = ds * (float)q - dm;
-                    }
-                }
-            }
-            for (int b = 0; b < 8; b++)
-                quantize_block(v + KB * b, codes + KB * (8 * s + b), scales + 8 * s + b);
+    float v[256];
+    const int unit = unit_of(type), per_unit = unit / KB;
+    for (int64_t u = 0; u < nb / per_unit; u++) {
+        decode_unit(raw, type, u, v);
+        for (int b = 0; b < per_unit; b++) {
+            const int64_t at = u * per_unit + b;
+            quantize_block(v + KB * b, codes + KB * at, scales + at);
         }
-        return;
-    case T_Q6_K:
-        for (int64_t s = 0; s < nb / 8; s++) {
-            const uint8_t *blk = raw + 210 * s;
-            const uint8_t *ql = blk, *qh = blk + 128;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            const float d = f16_to_f32(blk + 208);
-            for (int half = 0; half < 2; half++) {
-                for (int l = 0; l < 32; l++) {
-                    const int is = 8 * half + l / 16;
-                    const int q1 = ((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                    const int q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                    float *y = v + 128 * half;
-                    y[l] = (d * (float)sc[is]) * (float)q1;
-                    y[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
-                    y[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
-                    y[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
-                }
-                ql += 64;
-                qh += 32;
-            }
-            for (int b = 0; b < 8; b++)
-                quantize_block(v + KB * b, codes + KB * (8 * s + b), scales + 8 * s + b);
-        }
-        return;
     }
 }
 
@@ -198,8 +224,7 @@ int64_t sluice_gguf_row_bytes(int type, int64_t K) {
 int sluice_gguf_to_int8_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K, int8_t *codes,
                                float *scales, int num_threads) {
     const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
-    const int64_t per_block = (type == T_Q4_K || type == T_Q6_K) ? 256 : 32;
-    if (row_bytes == 0 || K % per_block != 0) return -1;
+    if (row_bytes == 0 || K % unit_of(type) != 0) return -1;
     const int64_t nb = K / KB;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
     for (int64_t r = 0; r < rows; r++)
@@ -247,5 +272,21 @@ int sluice_gguf_to_int4_blocks(const uint8_t *raw, int type, int64_t rows, int64
             }
         }
     }
+    return 0;
+}
+
+/* Rows ids[0..T-1] of a [N, K] tensor of `type` decoded to float32 into out [T, K]: the values
+ * numpy's decoders give. An embedding looked up in the file's own blocks. Returns -1 for a type
+ * or K it cannot read, -2 for an id outside [0, N), else 0. */
+int sluice_gguf_rows(const uint8_t *raw, int type, int64_t N, int64_t K, const int64_t *ids,
+                     int64_t T, float *out) {
+    const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
+    if (row_bytes == 0 || K % unit_of(type) != 0) return -1;
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    const int unit = unit_of(type);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t u = 0; u < K / unit; u++)
+            decode_unit(raw + ids[t] * row_bytes, type, u, out + t * K + u * unit);
     return 0;
 }

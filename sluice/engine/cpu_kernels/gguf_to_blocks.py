@@ -6,8 +6,10 @@ Q4_0 and Q4_1 decoded and quantized by GGUF's Q8_0 rule with the bits of
     codes, scales = gguf_int8_blocks(raw, "Q6_K", (n, k))   # int8 [N, K], float16 [N, K / 32]
     codes, d, m = gguf_int4_blocks(raw, "Q4_K", (n, k))     # uint8 0..15, float16, float16
 
-`gguf_int4_blocks` gives the 4-bit types' own blocks, as `loader.gguf_blocks.int4_blocks` does
-with numpy (the same values; that one also serves where the native code is not built).
+`gguf_rows(raw, type_name, shape, ids)` decodes some rows of such a tensor to float32 (an
+embedding looked up in the file's own blocks). `gguf_int4_blocks` gives the 4-bit types' own
+blocks, as `loader.gguf_blocks.int4_blocks` does with numpy (the same values; that one also serves
+where the native code is not built).
 """
 
 from __future__ import annotations
@@ -75,3 +77,28 @@ def gguf_int4_blocks(
     if rc != 0:
         raise ValueError(f"K = {k} does not split into {type_name} blocks")
     return codes, d.to(torch.float16), m.to(torch.float16)
+
+
+def gguf_rows(
+    raw: np.ndarray, type_name: str, shape: tuple[int, int], ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows `ids` of a [N, K] tensor stored as `type_name` (one of `INT8_TYPES`), decoded to
+    float32 [len(ids), K]: the values numpy's decoders give."""
+    data = _bytes_of(raw, type_name, shape, INT8_TYPES)
+    n, k = shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), k, dtype=torch.float32)
+    rc = require_library().sluice_gguf_rows(
+        data.ctypes.data,
+        TYPE_NUMBERS[type_name],
+        n,
+        k,
+        flat.data_ptr(),
+        flat.numel(),
+        out.data_ptr(),
+    )
+    if rc == -2:
+        raise IndexError(f"a token id outside [0, {n})")
+    if rc != 0:
+        raise ValueError(f"K = {k} does not split into {type_name} blocks")
+    return out.view(*ids.shape, k)

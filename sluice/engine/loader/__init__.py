@@ -17,7 +17,14 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelError
-from .gguf_blocks import FLOAT_TYPES, FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, StoredProjections
+from .gguf_blocks import (
+    FLOAT_TYPES,
+    FOUR_BIT_TYPES,
+    Int4Blocks,
+    Int8Blocks,
+    StoredProjections,
+    StoredRows,
+)
 from .lazy_tensors import tensor_dtypes
 from .loaded import LoadedModel
 
@@ -112,6 +119,7 @@ def build_model(
     source: str = "state dict",
     int4_blocks: Mapping[str, Int4Blocks] | None = None,
     int8_blocks: Mapping[str, Int8Blocks] | None = None,
+    stored_rows: Mapping[str, StoredRows] | None = None,
     stored_types: Mapping[str, str] | None = None,
     take_tensors: bool = False,
 ) -> CausalLM:
@@ -138,7 +146,7 @@ def build_model(
     stored = None
     if quantization in ("int8", "int4"):
         stored = _stored_projections(
-            config, int4_blocks or {}, int8_blocks or {}, stored_types or {}
+            config, int4_blocks or {}, int8_blocks or {}, stored_rows or {}, stored_types or {}
         )
     blocks = None
     if stored is not None and ops is not None and ops.int8_format == "blocks":
@@ -158,6 +166,7 @@ def _stored_projections(
     config: ModelConfig,
     int4: Mapping[str, Int4Blocks],
     int8: Mapping[str, Int8Blocks],
+    rows: Mapping[str, StoredRows],
     types: Mapping[str, str],
 ) -> StoredProjections:
     """How the file stored each projection's stacked matrices and the LM head
@@ -179,8 +188,8 @@ def _stored_projections(
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     if config.tie_word_embeddings:
         head = embed
-    elif embed in int8:
-        out.embed = partial(int8.__getitem__, embed)
+    elif embed in rows:
+        out.embed = partial(rows.__getitem__, embed)
     if head in int8:
         out.head = partial(int8.__getitem__, head)
     return out

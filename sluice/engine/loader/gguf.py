@@ -22,7 +22,7 @@ import torch
 from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
 from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int4_blocks, gguf_int8_blocks
 from ..errors import ModelError
-from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, int4_blocks
+from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, StoredRows, int4_blocks
 from .lazy_tensors import LazyMapping, LazyTensors
 from .tensor_names import check_tensors
 
@@ -347,6 +347,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
     tensors, types = LazyTensors(), {}
     blocks: LazyMapping[Int4Blocks] = LazyMapping()
     int8: LazyMapping[Int8Blocks] = LazyMapping()
+    rows: dict[str, StoredRows] = {}
     for t in reader.tensors:
         name = hf_name(t.name, gguf_arch)
         if name is None:
@@ -361,6 +362,8 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
                 blocks.add(name, partial(_read_int4_blocks, t, name, config, gguf_arch))
         if len(shape) == 2 and t.tensor_type.name in INT8_TYPES:
             int8.add(name, partial(_read_int8_blocks, t, name, config, gguf_arch))
+            if name == "model.embed_tokens.weight":
+                rows[name] = StoredRows(source, t.offset, t.data.nbytes, t.tensor_type.name, shape)
     check_tensors(config, tensors, source)
 
     tokenizer = None
@@ -375,5 +378,6 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         source=source,
         int4_blocks=blocks,
         int8_blocks=int8,
+        stored_rows=rows,
         stored_types=types,
     )

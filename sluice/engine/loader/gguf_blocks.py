@@ -120,6 +120,23 @@ def int4_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4
     )
 
 
+@dataclass(frozen=True)
+class StoredRows:
+    """A matrix as the file stores it, for looking rows up (`weights.FileEmbedding`): where its
+    bytes are, so that it can be mapped apart from the rest of the file (which is let go once the
+    model is built, while the rows a lookup touches are all that is ever paged in of this)."""
+
+    path: str
+    offset: int  # of its first byte
+    nbytes: int
+    type_name: str  # GGUF's
+    shape: tuple[int, int]
+
+    def map(self) -> np.ndarray:
+        """Its bytes, read-only, mapped from the file."""
+        return np.memmap(self.path, np.uint8, "r", self.offset, (self.nbytes,))
+
+
 @dataclass
 class StoredProjections:
     """How a file stores a model's matrices, each read from it when the model builder asks for
@@ -127,10 +144,11 @@ class StoredProjections:
     a projection whose matrices are all stored in 4 bits; the int8 blocks of one whose matrices
     can all be read as int8 blocks (`gguf_to_blocks`); which have a matrix stored in more than 4
     bits (Q5_*, Q6_K, Q8_0: int4 weights keep those in int8). And the int8 blocks of the LM head
-    (the embedding's, when tied) and of an untied embedding, where the file's types read so."""
+    (the embedding's, when tied), and an untied embedding as the file stores it, where the
+    file's types read so."""
 
     int4: dict[tuple[int, str], Callable[[], Int4Blocks]] = field(default_factory=dict)
     int8: dict[tuple[int, str], Callable[[], Int8Blocks]] = field(default_factory=dict)
     wider: set[tuple[int, str]] = field(default_factory=set)
     head: Callable[[], Int8Blocks] | None = None
-    embed: Callable[[], Int8Blocks] | None = None  # untied only
+    embed: Callable[[], StoredRows] | None = None  # untied only

@@ -70,6 +70,7 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # fastest dimension first, as the file lists them
     data: np.ndarray  # read-only view of the file (see the module's docstring)
+    offset: int = 0  # where its data begin in the file
 
 
 class GGUFFile:
@@ -166,4 +167,4 @@ class GGUFFile:
         if start + count * dtype.itemsize > len(self._map):
             raise GGUFFormatError(f"tensor {name!r} runs past the end of the file")
         data = np.frombuffer(self._map, dtype, count, start).reshape(shape)
-        return GGUFTensor(name, kind, dims, data)
+        return GGUFTensor(name, kind, dims, data, start)
