@@ -177,13 +177,12 @@ def model_weights(
         embed = BlockInt8Embedding(head, dtype)  # its rows read from the head's blocks
     elif blocks is not None and not tied:
         embed = blocks.embedding(dtype)
-    if embed is None:
-        embed = get("model.embed_tokens.weight")
-    else:
-        _discard(tensors, "model.embed_tokens.weight")
     lm_head: torch.Tensor | nn.Module | None = head
     if head is None and not tied:
         lm_head = get("lm_head.weight")
-    elif head is not None and not tied:
+    if embed is None:
+        embed = get("model.embed_tokens.weight")
+    if take:  # (those made from the file's own forms: never read as floats)
+        _discard(tensors, "model.embed_tokens.weight")
         _discard(tensors, "lm_head.weight")
     return ModelWeights(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers)
