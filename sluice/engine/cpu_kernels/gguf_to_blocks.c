@@ -237,8 +237,7 @@ int sluice_gguf_to_int8_blocks(const uint8_t *raw, int type, int64_t rows, int64
 int sluice_gguf_to_int4_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K,
                                uint8_t *codes, float *d_out, float *m_out, int num_threads) {
     const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
-    const int64_t per_block = type == T_Q4_K ? 256 : 32;
-    if (!(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) || K % per_block != 0) return -1;
+    if (!(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) || K % unit_of(type) != 0) return -1;
     const int64_t nb = K / KB;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
     for (int64_t r = 0; r < rows; r++) {

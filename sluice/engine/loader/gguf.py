@@ -11,10 +11,11 @@ HF weight), which `load_gguf` turns back into HF's form.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -293,25 +294,33 @@ def _qk_heads(name: str, config: ModelConfig, gguf_arch: str) -> int | None:
     return None
 
 
-def _read_int4_blocks(t: Any, name: str, config: ModelConfig, gguf_arch: str) -> Int4Blocks:
-    """A 4-bit matrix's blocks as the file stores them, in HF's row order (read by the native
-    code: they are read only for the native kernels)."""
+Blocks = TypeVar("Blocks", Int4Blocks, Int8Blocks)
+
+
+def _read_blocks(
+    blocks_of: Callable[[np.ndarray, str, tuple[int, int]], Blocks],
+    t: Any,
+    name: str,
+    config: ModelConfig,
+    gguf_arch: str,
+) -> Blocks:
+    """A matrix's blocks read from the file's bytes by the native code (`gguf_to_blocks`:
+    `blocks_of` is `int4_blocks_of` or `int8_blocks_of` below), in HF's row order (read only for
+    the native kernels)."""
     k, n = (int(d) for d in t.shape)
-    stored = Int4Blocks(*gguf_int4_blocks(np.asarray(t.data), t.tensor_type.name, (n, k)))
+    stored = blocks_of(np.asarray(t.data), t.tensor_type.name, (n, k))
     heads = _qk_heads(name, config, gguf_arch)
     if heads is not None:
         stored = stored.rows_permuted(lambda a: unpermute_qk(a, heads))
     return stored
 
 
-def _read_int8_blocks(t: Any, name: str, config: ModelConfig, gguf_arch: str) -> Int8Blocks:
-    """A matrix as int8 blocks (`gguf_to_blocks`), in HF's row order."""
-    k, n = (int(d) for d in t.shape)
-    stored = Int8Blocks(*gguf_int8_blocks(np.asarray(t.data), t.tensor_type.name, (n, k)))
-    heads = _qk_heads(name, config, gguf_arch)
-    if heads is not None:
-        stored = stored.rows_permuted(lambda a: unpermute_qk(a, heads))
-    return stored
+def int4_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
+    return Int4Blocks(*gguf_int4_blocks(raw, type_name, shape))
+
+
+def int8_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int8Blocks:
+    return Int8Blocks(*gguf_int8_blocks(raw, type_name, shape))
 
 
 def _read_tensor(
@@ -359,9 +368,9 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         if t.name.startswith("blk.") and name.endswith("_proj.weight"):
             types[name] = t.tensor_type.name
             if t.tensor_type.name in FOUR_BIT_TYPES:
-                blocks.add(name, partial(_read_int4_blocks, t, name, config, gguf_arch))
+                blocks.add(name, partial(_read_blocks, int4_blocks_of, t, name, config, gguf_arch))
         if len(shape) == 2 and t.tensor_type.name in INT8_TYPES:
-            int8.add(name, partial(_read_int8_blocks, t, name, config, gguf_arch))
+            int8.add(name, partial(_read_blocks, int8_blocks_of, t, name, config, gguf_arch))
             if name == "model.embed_tokens.weight":
                 rows[name] = StoredRows(source, t.offset, t.data.nbytes, t.tensor_type.name, shape)
     check_tensors(config, tensors, source)
