@@ -12,10 +12,21 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
 }
 # HF `model_type` of a config saved without `architectures` -> our family name
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
+}
+# Families whose sliding window (when the config sets one) is every layer's
+WINDOWED_EVERYWHERE = ("mistral", "phi3")
 # HF activation names of the gated MLP we run ("gelu_pytorch_tanh": GELU's tanh approximation)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
@@ -27,7 +38,7 @@ def _error(message: str, field: str) -> ModelError:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "mistral" | "gemma3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -43,7 +54,8 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v bias (Qwen2; Llama's attention_bias also adds an o_proj bias)
+    # q/k/v bias (Qwen2; Llama's, Mistral's and Qwen3's attention_bias also adds an o_proj bias)
+    attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # Extension: keys further back than this many positions are not attended (Mistral v0.1), in
@@ -63,7 +75,7 @@ class ModelConfig:
     norm_adds_one: bool = False
     # Gemma's layer: norms on the attention and MLP outputs too (post_attention_layernorm is then
     # the attention output's, pre_feedforward_layernorm the MLP input's), and an RMSNorm over each
-    # head of q and k before rotary (q_norm, k_norm).
+    # head of q and k before rotary (q_norm, k_norm; Qwen3 has these alone, scaled by the weight).
     sandwich_norms: bool = False
     qk_norm: bool = False
     # The token embeddings are multiplied by this, in the model dtype (Gemma: sqrt(hidden_size)).
@@ -73,8 +85,8 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        # HF Llama/Mistral put `attention_bias` on o_proj as well; Qwen2 never biases o_proj.
-        return self.attention_bias and self.architecture in ("llama", "mistral")
+        # HF Llama/Mistral/Qwen3 put `attention_bias` on o_proj as well; Qwen2 never biases o_proj.
+        return self.attention_bias and self.architecture in ("llama", "mistral", "qwen3")
 
     @property
     def attention_scale(self) -> float:
@@ -188,15 +200,20 @@ class ModelConfig:
         if "rope_theta" not in rope:
             rope.update(d.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+        # (transformers 5 keeps Phi-3's partial rotary factor among the rotary parameters)
+        if float(rope.pop("partial_rotary_factor", None) or 1.0) != 1.0:
+            raise _error(
+                f"{source}: unsupported field 'partial_rotary_factor'", "partial_rotary_factor"
+            )
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling = normalize_rope_scaling(rope, rope_type, source)
 
         sliding = None
-        if arch == "mistral":
+        if arch in WINDOWED_EVERYWHERE:
             sliding = d.get("sliding_window")
-        elif arch == "qwen2" and d.get("use_sliding_window"):
+        elif arch in ("qwen2", "qwen3") and d.get("use_sliding_window"):
             raise _error(
-                f"{source}: unsupported field 'use_sliding_window'=true for qwen2",
+                f"{source}: unsupported field 'use_sliding_window'=true for {arch}",
                 "use_sliding_window",
             )
 
@@ -218,6 +235,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d),
             sliding_window=int(sliding) if sliding else None,
+            qk_norm=arch == "qwen3",
         )
 
     @classmethod

@@ -53,10 +53,11 @@ class LayerWeights:
     o_bias: torch.Tensor | None
     gate_up: torch.Tensor | nn.Module  # [2*I, H]
     down: torch.Tensor | nn.Module  # [H, I]
-    # Gemma (`ModelConfig.sandwich_norms`, `qk_norm`); None elsewhere. (Its post_attention_norm
-    # is the attention output's norm, pre_feedforward_norm the MLP input's.)
+    # Gemma (`ModelConfig.sandwich_norms`); None elsewhere. (Its post_attention_norm is the
+    # attention output's norm, pre_feedforward_norm the MLP input's.)
     pre_feedforward_norm: torch.Tensor | None = None  # [H]
     post_feedforward_norm: torch.Tensor | None = None  # [H]
+    # Gemma and Qwen3 (`ModelConfig.qk_norm`); None elsewhere
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
 
@@ -89,6 +90,9 @@ class DecoderLayer(nn.Module):
         self.o_proj = _projection(w.o, w.o_bias)
         self.gate_up = _projection(w.gate_up)
         self.down = _projection(w.down)
+        # Qwen3's RMSNorm over each head of q and k before rotary (Gemma's: `GemmaDecoderLayer`)
+        self.q_norm = None if w.q_norm is None else frozen_parameter(w.q_norm)
+        self.k_norm = None if w.k_norm is None else frozen_parameter(w.k_norm)
         # Sums this rank's partial o_proj and down outputs over the tensor-parallel ranks; None
         # where the layer holds all heads and columns (`CausalLM.shard`)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -103,6 +107,17 @@ class DecoderLayer(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.hkv, self.d)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.hkv, self.d)
         return q, k, v
+
+    def normed_heads(
+        self, q: torch.Tensor, k: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D], each head scaled to unit RMS and by its norm's weight
+        (new contiguous tensors)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        d, eps = self.d, self.eps
+        q = ops.add_rmsnorm(q.reshape(-1, d), None, self.q_norm, eps)[0].view(q.shape)
+        k = ops.add_rmsnorm(k.reshape(-1, d), None, self.k_norm, eps)[0].view(k.shape)
+        return q, k
 
     def attention_output(
         self,
@@ -136,6 +151,8 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (x, residual): the layer's input is x + residual (residual None: x)."""
         h, residual = ops.add_rmsnorm(x, residual, self.input_norm, self.eps)
         q, k, v = self.project_qkv(h, ops)
+        if self.q_norm is not None:
+            q, k = self.normed_heads(q, k, ops)
         x = self.attention_output(q, k, v, rope, plan, cache, ops)
 
         h, residual = ops.add_rmsnorm(x, residual, self.post_attention_norm, self.eps)
@@ -150,12 +167,19 @@ class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, w: LayerWeights):
         super().__init__(config, w)
         assert w.pre_feedforward_norm is not None and w.post_feedforward_norm is not None
-        assert w.q_norm is not None and w.k_norm is not None
+        assert self.q_norm is not None and self.k_norm is not None
         self.pre_feedforward_norm = frozen_parameter(w.pre_feedforward_norm)
         self.post_feedforward_norm = frozen_parameter(w.post_feedforward_norm)
-        self.q_norm = frozen_parameter(w.q_norm)
-        self.k_norm = frozen_parameter(w.k_norm)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+
+    def normed_heads(
+        self, q: torch.Tensor, k: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As Qwen3's, each head's norm scaling by 1 + weight in float32."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q = ops.add_rmsnorm_offset(q, None, self.q_norm, self.eps)[0]
+        k = ops.add_rmsnorm_offset(k, None, self.k_norm, self.eps)[0]
+        return q, k
 
     def forward(
         self,
@@ -169,8 +193,7 @@ class GemmaDecoderLayer(DecoderLayer):
         eps = self.eps
         h, residual = ops.add_rmsnorm_offset(x, residual, self.input_norm, eps)
         q, k, v = self.project_qkv(h, ops)
-        q = ops.add_rmsnorm_offset(q, None, self.q_norm, eps)[0]
-        k = ops.add_rmsnorm_offset(k, None, self.k_norm, eps)[0]
+        q, k = self.normed_heads(q, k, ops)
         x = self.attention_output(q, k, v, rope, plan, cache, ops)
         x = ops.add_rmsnorm_offset(x, None, self.post_attention_norm, eps)[0]
 

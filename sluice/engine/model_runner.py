@@ -95,7 +95,7 @@ class ModelRunner:
         if model.ops.fixes_plain_layers_only and not config.plain_layers:
             raise ConfigError(
                 f"deterministic mode runs the plain Llama layer only; the {config.architecture} "
-                "layer's extra norms and GELU have no fixed-order kernels yet",
+                "layer's extra norms, QK-norm or GELU have no fixed-order kernels yet",
                 field="deterministic",
             )
         self.kv_caches = [

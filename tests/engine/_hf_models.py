@@ -50,6 +50,13 @@ def build(kind: str, **overrides):
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**kw)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**{"head_dim": 16, **kw})  # (its default head_dim is 128)
+        model = tf.Qwen3ForCausalLM(cfg)
+    elif kind == "phi3":
+        # (its default token ids are beyond the tiny vocabulary)
+        cfg = tf.Phi3Config(**{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **kw})
+        model = tf.Phi3ForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(**kw)
         model = tf.MistralForCausalLM(cfg)
@@ -73,6 +80,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def hf_logits(hf, prompts):
     with torch.no_grad():
         return [hf(torch.tensor([p])).logits[0].float() for p in prompts]
+
+
+def hf_greedy_tokens(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, each from transformers' full forward over the prompt and the tokens so
+    far (no cache, no end-of-sequence stop)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 def make_prompts(vocab, lengths=LENGTHS, seed=0):

@@ -13,6 +13,7 @@ import torch
 from _hf_models import (
     build,
     garbage_caches,
+    hf_greedy_tokens,
     hf_logits,
     make_prompts,
     rel_err,
@@ -46,15 +47,6 @@ def prompts(vocab: int) -> list[list[int]]:
     shared = torch.randint(3, vocab, (21,), generator=g).tolist()
     own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
     return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share cached blocks
-
-
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens, each from a full forward over the prompt and the tokens so far."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def engine(path, kernels: str, **config) -> LLMEngine:
@@ -105,7 +97,7 @@ def test_greedy_tokens_match_transformers(gemma3_dir, vector_heads_dir, kernels,
     assert e.model_config.architecture == "gemma3"
     assert type(e.runner.route) is LayerByLayer
     ps = prompts(e.model_config.vocab_size)
-    want = [hf_greedy(hf, p, NEW_TOKENS) for p in ps]
+    want = [hf_greedy_tokens(hf, p, NEW_TOKENS) for p in ps]
     assert greedy(e, ps) == want
     # again, the shared prefix's blocks now read back from the prefix cache
     assert greedy(e, ps[-2:]) == want[-2:]

@@ -21,7 +21,7 @@ from _hf_models import (
 )
 from gguf import GGMLQuantizationType as Q
 
-from sluice.engine.errors import EngineError
+from sluice.engine.errors import EngineError, ModelError
 from sluice.engine.loader import build_model, load_model
 from sluice.engine.loader import gguf as gguf_loader
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
@@ -238,6 +238,11 @@ _GGUF_LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    # Qwen3's QK-norm; Phi-3's fused q/k/v and gate/up (the latter under ffn_up)
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -247,13 +252,17 @@ _GGUF_GEMMA3_LAYER = {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
 }
 
 
 def write_gguf(
-    path, hf, arch: str, rope_freqs: np.ndarray | None = None, f16: bool = False, override=None
+    path,
+    hf,
+    arch: str,
+    rope_freqs: np.ndarray | None = None,
+    f16: bool = False,
+    override=None,
+    extra: dict[str, np.ndarray] | None = None,
 ):
     """Write a HF model as llama.cpp's converter would (names, Q/K permutation for llama, Gemma's
     norm weights with its 1 added)."""
@@ -273,9 +282,10 @@ def write_gguf(
     w.add_rope_dimension_count(
         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     )
-    if gemma3:
+    if arch in ("gemma3", "qwen3"):
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+    if arch in ("gemma3", "phi3") and c.sliding_window:
         w.add_sliding_window(c.sliding_window)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     for name, t in hf.state_dict().items():
@@ -306,6 +316,8 @@ def write_gguf(
             w.add_tensor(gname, t.astype(np.float16) if f16 and t.ndim == 2 else t)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -375,6 +387,89 @@ def test_tiny_gemma3_gguf(tmp_path):
     name = "model.layers.0.pre_feedforward_layernorm.weight"
     assert torch.allclose(loaded.tensors[name], hf.state_dict()[name], atol=1e-6)
     _check_against_hf(hf, loaded)
+
+
+def test_tiny_qwen3_gguf(tmp_path):
+    hf = build("qwen3", head_dim=32, attention_bias=True)  # (its o_proj biased too)
+    write_gguf(tmp_path / "tiny.gguf", hf, "qwen3")
+    loaded = load_model(tmp_path / "tiny.gguf", load_tokenizer=False)
+    cfg = loaded.config
+    assert cfg.architecture == "qwen3" and cfg.qk_norm and cfg.head_dim == 32 and cfg.o_proj_bias
+    _check_against_hf(hf, loaded)
+
+
+def test_tiny_phi3_gguf_fused_matrices_and_window(tmp_path):
+    hf = build("phi3", sliding_window=6)
+    write_gguf(tmp_path / "tiny.gguf", hf, "phi3")
+    loaded = load_model(tmp_path / "tiny.gguf", load_tokenizer=False)
+    cfg = loaded.config
+    assert cfg.architecture == "phi3" and cfg.sliding_window == 6
+    # the fused matrices' parts under HF's names, the fused names gone
+    assert "model.layers.0.mlp.up_proj.weight" in loaded.tensors
+    assert "model.layers.0.mlp.gate_up_proj.weight" not in loaded.tensors
+    _check_against_hf(hf, loaded)
+
+
+def test_phi3_longrope_file_is_refused(tmp_path):
+    """llama.cpp's LongRoPE factors (Phi-3's 128k files): refused, not silently run without."""
+    factors = {"rope_factors_long.weight": np.ones(8, dtype=np.float32)}
+    write_gguf(tmp_path / "m.gguf", build("phi3"), "phi3", extra=factors)
+    with pytest.raises(ModelError) as e:
+        load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    assert e.value.field == "rope_factors_long.weight" and "LongRoPE" in str(e.value)
+
+
+def test_phi3_fused_matrices_keep_their_stored_blocks(tmp_path, monkeypatch):
+    """A Phi-3 file whose fused q/k/v and gate/up matrices are 4-bit blocks: with int4 weights
+    each layer's qkv and gate_up hold the file's values of the fused matrix (float64 reference
+    decoder), none of them read as floats; the Q8_0 ones are int8 blocks with the file's codes."""
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+
+    rng = np.random.default_rng(3)
+    hf = build("phi3", hidden_size=256, intermediate_size=256)
+    layers = hf.config.num_hidden_layers
+    raws: dict[str, tuple[np.ndarray, Q]] = {}
+
+    def stored(gguf_name: str, qtype: Q):
+        def raw_of(t):
+            raws[gguf_name] = _raw_tensor(qtype, t.shape, rng)[0], qtype
+            return raws[gguf_name]
+
+        return raw_of
+
+    kinds = {"attn_qkv": Q.Q4_0, "ffn_up": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_down": Q.Q4_0}
+    override = {
+        f"blk.{i}.{kind}.weight": stored(f"blk.{i}.{kind}.weight", qtype)
+        for i in range(layers)
+        for kind, qtype in kinds.items()
+    }
+    write_gguf(tmp_path / "m.gguf", hf, "phi3", override=override)
+    read_as_floats = []
+    read = gguf_loader._read_tensor
+
+    def spy(t, name, *args):
+        read_as_floats.append(name)
+        return read(t, name, *args)
+
+    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    model = build_model(
+        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
+        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
+        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
+    )  # fmt: skip
+    assert not [n for n in read_as_floats if "layers" in n and not n.endswith("norm.weight")]
+    for i, layer in enumerate(model.layers):
+        for module, kind in ((layer.qkv, "attn_qkv"), (layer.gate_up, "ffn_up"),
+                             (layer.o_proj, "attn_output"), (layer.down, "ffn_down")):  # fmt: skip
+            raw, qtype = raws[f"blk.{i}.{kind}.weight"]
+            flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+            rows = module.packed.n
+            want = reference_dequantize(flat, qtype, (rows, 256))
+            got = widen_blocks(module.packed, torch.float32).double().numpy()
+            assert module.packed.fmt == (FMT_Q8 if qtype == Q.Q8_0 else FMT_Q4)
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), (i, kind)
 
 
 def test_f16_gguf_equals_rounded_weights(tmp_path):

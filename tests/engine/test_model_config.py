@@ -84,6 +84,35 @@ def test_qwen2_and_mistral_defaults():
     assert e.value.field == "use_sliding_window"
 
 
+def test_qwen3_and_phi3():
+    base = {k: v for k, v in LLAMA31_V4.items() if k != "rope_scaling"}
+    q = ModelConfig.from_hf_dict({**base, "architectures": ["Qwen3ForCausalLM"], "head_dim": 64})
+    assert q.architecture == "qwen3" and q.qk_norm and not q.plain_layers and q.head_dim == 64
+    assert not q.attention_bias  # (Qwen2's default is biased)
+    biased = ModelConfig.from_hf_dict(
+        {**base, "architectures": ["Qwen3ForCausalLM"], "attention_bias": True}
+    )
+    assert biased.o_proj_bias  # unlike Qwen2's
+    with pytest.raises(EngineError) as e:
+        ModelConfig.from_hf_dict(
+            {**base, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}
+        )
+    assert e.value.field == "use_sliding_window"
+
+    phi3 = {**base, "architectures": ["Phi3ForCausalLM"], "sliding_window": 2047}
+    p = ModelConfig.from_hf_dict(phi3)
+    assert p.architecture == "phi3" and p.sliding_window == 2047 and p.plain_layers
+    # transformers 5 keeps the partial rotary factor among the rotary parameters
+    partial = {"rope_theta": 1e4, "rope_type": "default", "partial_rotary_factor": 0.75}
+    with pytest.raises(EngineError) as e:
+        ModelConfig.from_hf_dict({**phi3, "rope_parameters": partial})
+    assert e.value.field == "partial_rotary_factor"
+    longrope = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}
+    with pytest.raises(EngineError) as e:
+        ModelConfig.from_hf_dict({**phi3, "rope_scaling": longrope})
+    assert e.value.field == "rope_scaling" and "longrope" in str(e.value)
+
+
 def test_engine_config_dtype():
     assert str(EngineConfig().torch_dtype) == "torch.float32"
     assert str(EngineConfig(dtype="bfloat16").torch_dtype) == "torch.bfloat16"

@@ -60,6 +60,13 @@ CASES = {
             },
         },
     ),
+    # q and k normed per head before rotary; head_dim other than hidden / heads
+    "qwen3_qk_norm": ("qwen3", {"head_dim": 32}),
+    # Qwen3's attention_bias is on o_proj too
+    "qwen3_bias_tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    # q/k/v and gate/up stored fused; a window over every layer
+    "phi3_fused_sliding_window": ("phi3", {"sliding_window": 6}),
+    "phi3_no_window": ("phi3", {"sliding_window": None}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "head_dim": 16}),
     "mistral_no_window": ("mistral", {"sliding_window": None, "head_dim": 16}),
     # local layers (window 6, shorter than most prompts) between global ones; q/k scaled by
@@ -102,7 +109,7 @@ def test_flat_batch_matches_transformers(case, tmp_path):
     loaded = load_model(tmp_path, load_tokenizer=False)
     cfg = loaded.config
     assert cfg.architecture == kind
-    if kind in ("mistral", "gemma3"):
+    if kind in ("mistral", "phi3", "gemma3"):
         assert cfg.sliding_window == overrides["sliding_window"]
     if "tie_word_embeddings" in overrides:
         tied = overrides["tie_word_embeddings"]

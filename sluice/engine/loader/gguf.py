@@ -24,8 +24,8 @@ from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
 from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int4_blocks, gguf_int8_blocks
 from ..errors import ModelError
 from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, StoredRows, int4_blocks
-from .lazy_tensors import LazyMapping, LazyTensors
-from .tensor_names import check_tensors
+from .lazy_tensors import LazyMapping, LazyTensors, SharedRead
+from .tensor_names import check_tensors, fused_rows
 
 if TYPE_CHECKING:
     from .gguf_file import GGUFFile
@@ -46,7 +46,13 @@ SUPPORTED_TYPES = (
 )
 ROWS_AT_A_TIME = 8192  # of a large matrix, dequantized at a time
 
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3": "gemma3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+}
 # llama.cpp's converter permutes Q/K rows for these architectures only
 PERMUTED_QK = {"llama"}
 # ... and stores RMSNorm weights with Gemma's 1 added for these
@@ -68,16 +74,24 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # Gemma's layer has four norms and QK-norm; its ffn_norm is the MLP input's norm
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    **_QK_NORM_NAMES,
 }
-_LAYER_NAMES_BY_ARCHITECTURE = {"gemma3": _GEMMA3_LAYER_NAMES}
+# Phi-3 stores q/k/v as one matrix, and gate/up as one under ffn_up (`tensor_names.fused_parts`)
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LAYER_NAMES_BY_ARCHITECTURE = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    "phi3": _PHI3_LAYER_NAMES,
+}
+# llama.cpp's LongRoPE factors (Phi-3's 128k-context files), which sluice does not apply
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp's Gemma 3 constants where the file carries no metadata of its own
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0
@@ -205,6 +219,11 @@ def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
         raise ModelError(
             f"{source}: unsupported rope scaling {kind!r}", field=f"{a}.rope.scaling.type"
         )
+    for name in _LONGROPE_TENSORS:
+        if name in names:
+            raise ModelError(
+                f"{source}: LongRoPE scaling (tensor {name!r}) is not supported", field=name
+            )
     if "rope_freqs.weight" in names:  # llama3-style scaling baked into per-frequency divisors
         if rope_scaling is not None:
             raise ModelError(
@@ -241,6 +260,11 @@ def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
     )
     if gguf_arch == "gemma3":
         config = _gemma3_config(config, m)
+    elif gguf_arch == "qwen3":
+        config = replace(config, qk_norm=True)
+    elif gguf_arch == "phi3":
+        window = m.get(f"{a}.attention.sliding_window")
+        config = replace(config, sliding_window=int(window) if window else None)
     return config, gguf_arch
 
 
@@ -315,6 +339,14 @@ def _read_blocks(
     return stored
 
 
+def _rows(read: Callable[[], torch.Tensor], rows: slice) -> torch.Tensor:
+    return read()[rows]
+
+
+def _block_rows(read: Callable[[], Blocks], rows: slice) -> Blocks:
+    return read().rows(rows)
+
+
 def int4_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
     return Int4Blocks(*gguf_int4_blocks(raw, type_name, shape))
 
@@ -363,16 +395,38 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         _check_type(t, source)
-        read = partial(_read_tensor, t, name, config, gguf_arch, target, source)
-        tensors.add_tensor(name, shape, target, read)
-        if t.name.startswith("blk.") and name.endswith("_proj.weight"):
-            types[name] = t.tensor_type.name
-            if t.tensor_type.name in FOUR_BIT_TYPES:
-                blocks.add(name, partial(_read_blocks, int4_blocks_of, t, name, config, gguf_arch))
-        if len(shape) == 2 and t.tensor_type.name in INT8_TYPES:
-            int8.add(name, partial(_read_blocks, int8_blocks_of, t, name, config, gguf_arch))
-            if name == "model.embed_tokens.weight":
-                rows[name] = StoredRows(source, t.offset, t.data.nbytes, t.tensor_type.name, shape)
+        type_name = t.tensor_type.name
+        parts = fused_rows(config, name, shape[0], source)  # (a fused matrix's parts)
+        read_values: Callable[[], torch.Tensor] = partial(
+            _read_tensor, t, name, config, gguf_arch, target, source
+        )
+        read_int4: Callable[[], Int4Blocks] = partial(
+            _read_blocks, int4_blocks_of, t, name, config, gguf_arch
+        )
+        read_int8: Callable[[], Int8Blocks] = partial(
+            _read_blocks, int8_blocks_of, t, name, config, gguf_arch
+        )
+        if len(parts) > 1:  # each part's read takes its rows of one read of the whole
+            read_values = SharedRead(read_values, len(parts))
+            read_int4 = SharedRead(read_int4, len(parts))
+            read_int8 = SharedRead(read_int8, len(parts))
+        for part, part_rows in parts:
+            values, int4, int8_part = read_values, read_int4, read_int8
+            part_shape = shape
+            if part_rows is not None:
+                part_shape = (part_rows.stop - part_rows.start, *shape[1:])
+                values = partial(_rows, read_values, part_rows)
+                int4 = partial(_block_rows, read_int4, part_rows)
+                int8_part = partial(_block_rows, read_int8, part_rows)
+            tensors.add_tensor(part, part_shape, target, values)
+            if t.name.startswith("blk.") and part.endswith("_proj.weight"):
+                types[part] = type_name
+                if type_name in FOUR_BIT_TYPES:
+                    blocks.add(part, int4)
+            if len(shape) == 2 and type_name in INT8_TYPES:
+                int8.add(part, int8_part)
+        if len(shape) == 2 and type_name in INT8_TYPES and name == "model.embed_tokens.weight":
+            rows[name] = StoredRows(source, t.offset, t.data.nbytes, type_name, shape)
     check_tensors(config, tensors, source)
 
     tokenizer = None

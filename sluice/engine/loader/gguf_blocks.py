@@ -36,6 +36,10 @@ class _Blocks:
         """Matrices stacked by rows (a fused projection's parts)."""
         return cls(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(cls)))  # type: ignore[arg-type]
 
+    def rows(self, rows: slice) -> Self:
+        """A run of the rows (a fused matrix's part), as views."""
+        return type(self)(*(getattr(self, f.name)[rows] for f in fields(self)))  # type: ignore[arg-type]
+
     def rows_permuted(self, permute) -> Self:
         """The rows reordered by `permute` (a function of a [rows, ...] array)."""
         return type(self)(

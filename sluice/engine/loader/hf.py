@@ -11,7 +11,13 @@ import torch
 
 from ..config import ModelConfig, torch_dtype
 from ..errors import ModelError
-from .tensor_names import check_tensors, expected_shapes
+from .tensor_names import (
+    check_tensors,
+    expected_shapes,
+    fused_parts,
+    layer_tensor,
+    split_fused,
+)
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -73,16 +79,20 @@ def load_tensors(
     """HF-named tensors the model needs (others skipped) and the file each came from."""
     from safetensors import safe_open
 
-    wanted = expected_shapes(config)
+    fused = fused_parts(config)
+    wanted = set(expected_shapes(config))
     target = torch.float32 if dtype is None else dtype
     tensors, origin = {}, {}
     for f in _weight_files(path):
         try:
             with safe_open(str(f), framework="pt") as sf:
                 for name in sf.keys():
-                    if name in wanted:
-                        tensors[name] = sf.get_tensor(name).to(target)
-                        origin[name] = str(f)
+                    layer = layer_tensor(name)
+                    if name in wanted or (layer is not None and layer[1] in fused):
+                        read = sf.get_tensor(name).to(target)
+                        for part, t in split_fused(config, name, read, str(f)).items():
+                            tensors[part] = t
+                            origin[part] = str(f)
         except ModelError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files

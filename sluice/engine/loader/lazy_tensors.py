@@ -62,6 +62,24 @@ class LazyMapping(MutableMapping[str, V], Generic[V]):
         return len(self._makers)
 
 
+class SharedRead(Generic[V]):
+    """One read shared by the `uses` parts of a fused matrix: made at the first part's call and
+    let go after the last's, so the whole is held only while its parts are taken."""
+
+    def __init__(self, read: Callable[[], V], uses: int) -> None:
+        self._read, self._uses, self._left = read, uses, uses
+        self._value: V | None = None
+
+    def __call__(self) -> V:
+        value = self._value if self._value is not None else self._read()
+        self._left -= 1
+        if self._left == 0:
+            self._value, self._left = None, self._uses
+        else:
+            self._value = value
+        return value
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]

@@ -98,6 +98,66 @@ PROJECTION_PARTS = {
 }
 
 
+def fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """The fused matrices a family's files hold in place of the HF names above, under
+    "model.layers.N.", each with the parts it stacks by rows and their row counts (Phi-3's
+    qkv_proj and gate_up_proj); empty for the families that store each part."""
+    if config.architecture != "phi3":
+        return {}
+    c = config
+    return {
+        "self_attn.qkv_proj.weight": (
+            ("self_attn.q_proj.weight", c.q_size),
+            ("self_attn.k_proj.weight", c.kv_size),
+            ("self_attn.v_proj.weight", c.kv_size),
+        ),
+        "mlp.gate_up_proj.weight": (
+            ("mlp.gate_proj.weight", c.intermediate_size),
+            ("mlp.up_proj.weight", c.intermediate_size),
+        ),
+    }
+
+
+def layer_tensor(name: str) -> tuple[str, str] | None:
+    """("N", the rest) of a layer's HF tensor name "model.layers.N.rest"; None for another."""
+    head, _, tail = name.partition("model.layers.")
+    number, _, rest = tail.partition(".")
+    return (number, rest) if not head and number.isdigit() and rest else None
+
+
+def fused_rows(
+    config: ModelConfig, name: str, rows: int, source: str
+) -> list[tuple[str, slice | None]]:
+    """The HF-named tensors a tensor read from a file gives, each with the rows of it that it is:
+    a fused matrix's parts (`fused_parts`), or the tensor itself whole (None)."""
+    layer = layer_tensor(name)
+    parts = None if layer is None else fused_parts(config).get(layer[1])
+    if layer is None or parts is None:
+        return [(name, None)]
+    if rows != sum(n for _, n in parts):
+        raise ModelError(
+            f"{source}: tensor {name!r} has {rows} rows, expected {sum(n for _, n in parts)}",
+            field=name,
+        )
+    out: list[tuple[str, slice | None]] = []
+    start = 0
+    for part, n in parts:
+        out.append((f"model.layers.{layer[0]}.{part}", slice(start, start + n)))
+        start += n
+    return out
+
+
+def split_fused(
+    config: ModelConfig, name: str, tensor: torch.Tensor, source: str
+) -> dict[str, torch.Tensor]:
+    """A tensor as read from a file under HF names: a fused matrix (`fused_parts`) as views of
+    its parts, any other as it is."""
+    return {
+        part: tensor if rows is None else tensor[rows]
+        for part, rows in fused_rows(config, name, tensor.shape[0], source)
+    }
+
+
 def _discard(tensors: MutableMapping[str, torch.Tensor], name: str) -> None:
     """`name` out of the mapping, without reading a lazy tensor's values to do it."""
     if isinstance(tensors, LazyTensors):

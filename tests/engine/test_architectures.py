@@ -1,0 +1,104 @@
+"""Qwen3 (q and k normed per head) and Phi-3 (q/k/v and gate/up stored fused, a window over every
+layer) through the engine: greedy tokens as transformers gives them on tiny random models whose
+prompts are longer than Phi-3's window, with chunked prefill (a small token budget), prefix
+caching and mixed steps, on each CPU kernel family. Phi-3's layers are Llama's, so the native
+family runs them in its C layer stack and decodes in one call; Qwen3's run layer by layer. The
+per-position logits are checked in test_model_vs_hf.py, the GGUF forms in test_gguf_loader.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _hf_models import build, hf_greedy_tokens
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine import LLMEngine
+from sluice.engine.errors import ConfigError
+from sluice.engine.forward import LayerByLayer, NativeStack
+from sluice.engine.kernel_ops import resolve_kernel_ops
+from sluice.engine.loader import load_model
+from sluice.engine.sampling_params import SamplingParams
+
+# head_dim 64 and blocks of 16: the shapes the native family's C kernels serve
+SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+MODELS = {
+    "qwen3": ("qwen3", {**SHAPE, "head_dim": 64}),
+    "phi3": ("phi3", {**SHAPE, "sliding_window": 8}),
+}
+BLOCK = 16
+NEW_TOKENS = 10
+
+
+def _families() -> list[str]:
+    out = ["torch"]
+    try:
+        resolve_kernel_ops("native", "cpu", False)
+        out.append("native")
+    except Exception:  # no C compiler: the native family is not built here
+        pass
+    return out
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
+    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+    return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share cached blocks
+
+
+def engine(path, kernels: str, **config) -> LLMEngine:
+    defaults = dict(kv_cache_bytes=8 << 20, block_size=BLOCK, max_num_batched_tokens=20)
+    return LLMEngine(
+        config=EngineConfig(kernels=kernels, **{**defaults, **config}),
+        loaded=load_model(path, load_tokenizer=False),
+    )
+
+
+def greedy(e: LLMEngine, ps) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return [r.token_ids for r in e.generate(prompt_token_ids=ps, params=params)]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def saved(request, tmp_path_factory):
+    kind, overrides = MODELS[request.param]
+    path = tmp_path_factory.mktemp(kind)
+    hf = build(kind, **overrides)
+    hf.save_pretrained(path)
+    ps = prompts(hf.config.vocab_size)
+    return kind, path, ps, [hf_greedy_tokens(hf, p, NEW_TOKENS) for p in ps]
+
+
+@pytest.mark.parametrize("kernels", _families())
+def test_greedy_tokens_match_transformers(saved, kernels):
+    kind, path, ps, want = saved
+    e = engine(path, kernels)
+    assert e.model_config.architecture == kind
+    assert type(e.runner.route) is LayerByLayer  # (float weights: the stack wants them packed)
+    assert greedy(e, ps) == want
+    # again, the shared prefix's blocks now read back from the prefix cache
+    assert greedy(e, ps[-2:]) == want[-2:]
+
+
+def test_phi3_int8_on_the_native_stack_gives_its_layer_by_layer_tokens(saved):
+    """With packed int8 weights Phi-3 runs in the C layer stack and decodes in one call: the
+    tokens of the same weights run layer by layer."""
+    kind, path, ps, _ = saved
+    if kind != "phi3" or "native" not in _families():
+        pytest.skip("Phi-3 on the native family only")
+    stacked, by_layer = (engine(path, "native", quantization="int8") for _ in range(2))
+    route = stacked.runner.route
+    assert type(route) is NativeStack and route.decodes is not None
+    r = by_layer.runner
+    r.route = LayerByLayer(r.model, r.attention, r.kv_caches, r.embed)
+    assert greedy(stacked, ps) == greedy(by_layer, ps)
+
+
+def test_qwen3_in_deterministic_mode_is_refused(saved):
+    """Its QK-norm has no fixed-order kernel yet: refused rather than run batch-dependent."""
+    kind, path, _, _ = saved
+    if kind != "qwen3" or "native" not in _families():
+        pytest.skip("Qwen3 on the native family only")
+    with pytest.raises(ConfigError) as e:
+        engine(path, "auto", deterministic=True)
+    assert e.value.field == "deterministic"
