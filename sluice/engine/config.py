@@ -15,6 +15,9 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # HF `model_type` of a config saved without `architectures` -> our family name
 HF_MODEL_TYPES = {
@@ -24,9 +27,18 @@ HF_MODEL_TYPES = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
 }
 # Families whose sliding window (when the config sets one) is every layer's
-WINDOWED_EVERYWHERE = ("mistral", "phi3")
+WINDOWED_EVERYWHERE = ("mistral", "phi3", "mixtral")
+# Families with Qwen's attention: q/k/v biased by default (Qwen2's), or q and k normed per head
+QWEN2_ATTENTION = ("qwen2", "qwen2_moe")
+QWEN3_ATTENTION = ("qwen3", "qwen3_moe")
+# Families whose experts' probabilities are always renormalized over the chosen (Mixtral); the
+# others say so in `norm_topk_prob`
+MOE_ALWAYS_RENORMALIZED = ("mixtral",)
 # HF activation names of the gated MLP we run ("gelu_pytorch_tanh": GELU's tanh approximation)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
@@ -38,7 +50,9 @@ def _error(message: str, field: str) -> ModelError:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3"
+    # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3" | "mixtral" | "qwen2_moe" |
+    # "qwen3_moe"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,11 +96,26 @@ class ModelConfig:
     embedding_scale: float | None = None
     # logits -> cap * tanh(logits / cap) (Gemma 2); None: no capping.
     final_logit_softcapping: float | None = None
+    # A mixture of experts (`moe`; Mixtral, Qwen2-MoE, Qwen3-MoE): in each layer not among
+    # `dense_layers` the MLP is `num_experts` gated MLPs of `moe_intermediate_size` columns, each
+    # token running the `num_experts_per_tok` its router scores highest (renormalized over the
+    # chosen where `norm_topk_prob`); 0 experts: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # Qwen2-MoE's shared expert, a gated MLP of this many columns every token runs; 0: none
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def o_proj_bias(self) -> bool:
         # HF Llama/Mistral/Qwen3 put `attention_bias` on o_proj as well; Qwen2 never biases o_proj.
-        return self.attention_bias and self.architecture in ("llama", "mistral", "qwen3")
+        return self.attention_bias and self.architecture in ("llama", "mistral", *QWEN3_ATTENTION)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def attention_scale(self) -> float:
@@ -124,6 +153,7 @@ class ModelConfig:
             and not (self.norm_adds_one or self.sandwich_norms or self.qk_norm)
             and self.embedding_scale is None
             and self.final_logit_softcapping is None
+            and self.num_experts == 0
         )
 
     @property
@@ -211,7 +241,7 @@ class ModelConfig:
         sliding = None
         if arch in WINDOWED_EVERYWHERE:
             sliding = d.get("sliding_window")
-        elif arch in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        elif arch in (*QWEN2_ATTENTION, *QWEN3_ATTENTION) and d.get("use_sliding_window"):
             raise _error(
                 f"{source}: unsupported field 'use_sliding_window'=true for {arch}",
                 "use_sliding_window",
@@ -231,11 +261,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(
+                d.get("attention_bias", d.get("qkv_bias", arch in QWEN2_ATTENTION))
+            ),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d),
             sliding_window=int(sliding) if sliding else None,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in QWEN3_ATTENTION,
+            **_moe_fields(d, arch, int(need("num_hidden_layers")), source),
         )
 
     @classmethod
@@ -313,6 +346,30 @@ class ModelConfig:
                 float(cap) if cap else None,
             ),
         )
+
+
+def _moe_fields(d: dict[str, Any], arch: str, layers: int, source: str) -> dict[str, Any]:
+    """The `ModelConfig` fields of a HF mixture-of-experts config (none for a dense one)."""
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    if not experts:
+        return {}
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise _error(
+            f"{source}: num_experts_per_tok={top_k} must be between 1 and the {experts} experts",
+            "num_experts_per_tok",
+        )
+    step = int(d.get("decoder_sparse_step") or 1)
+    only_mlp = set(d.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        # Mixtral's experts are intermediate_size wide; Qwen's MoE configs say so apart
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        norm_topk_prob=arch in MOE_ALWAYS_RENORMALIZED or bool(d.get("norm_topk_prob")),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        dense_layers=tuple(n for n in range(layers) if n in only_mlp or (n + 1) % step != 0),
+    )
 
 
 def gemma3_layer_kinds(layers: int, pattern: int) -> list[str]:

@@ -36,6 +36,7 @@ from torch import nn
 from .config import ModelConfig
 from .kernel_ops.base import KernelOps
 from .kernel_ops.torch_ops import TorchOps
+from .moe import ExpertWeights, MixtureOfExperts
 from .paged_cache import LayerKVCache
 from .rope import RotaryEmbedding
 from .step_plan import AttentionSpec, StepPlan
@@ -51,8 +52,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor | nn.Module  # [H, Hq*D]
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor | nn.Module  # [2*I, H]
-    down: torch.Tensor | nn.Module  # [H, I]
+    # the dense MLP's (None where the layer's MLP is a mixture of experts)
+    gate_up: torch.Tensor | nn.Module | None  # [2*I, H]
+    down: torch.Tensor | nn.Module | None  # [H, I]
     # Gemma (`ModelConfig.sandwich_norms`); None elsewhere. (Its post_attention_norm is the
     # attention output's norm, pre_feedforward_norm the MLP input's.)
     pre_feedforward_norm: torch.Tensor | None = None  # [H]
@@ -60,6 +62,8 @@ class LayerWeights:
     # Gemma and Qwen3 (`ModelConfig.qk_norm`); None elsewhere
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
+    # a mixture-of-experts layer's MLP (`ModelConfig.is_moe_layer`); None elsewhere
+    experts: ExpertWeights | None = None
 
 
 @dataclass
@@ -88,8 +92,11 @@ class DecoderLayer(nn.Module):
         # Linear as loaded; another form of `weights` after packing or quantizing
         self.qkv = _projection(w.qkv, w.qkv_bias)
         self.o_proj = _projection(w.o, w.o_bias)
-        self.gate_up = _projection(w.gate_up)
-        self.down = _projection(w.down)
+        self.gate_up = None if w.gate_up is None else _projection(w.gate_up)
+        self.down = None if w.down is None else _projection(w.down)
+        self.experts = None
+        if w.experts is not None:
+            self.experts = MixtureOfExperts(w.experts, c.num_experts_per_tok, c.norm_topk_prob)
         # Qwen3's RMSNorm over each head of q and k before rotary (Gemma's: `GemmaDecoderLayer`)
         self.q_norm = None if w.q_norm is None else frozen_parameter(w.q_norm)
         self.k_norm = None if w.k_norm is None else frozen_parameter(w.k_norm)
@@ -156,8 +163,14 @@ class DecoderLayer(nn.Module):
         x = self.attention_output(q, k, v, rope, plan, cache, ops)
 
         h, residual = ops.add_rmsnorm(x, residual, self.post_attention_norm, self.eps)
-        x = self.reduced(ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down))
-        return x, residual
+        return self.reduced(self.mlp(h, ops)), residual
+
+    def mlp(self, h: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        """The normed input [T, H] -> the MLP's output (this rank's part of it)."""
+        if self.experts is not None:
+            return self.experts(h, ops)
+        assert self.gate_up is not None and self.down is not None
+        return ops.linear(ops.silu_and_mul(ops.linear(h, self.gate_up)), self.down)
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -198,6 +211,7 @@ class GemmaDecoderLayer(DecoderLayer):
         x = ops.add_rmsnorm_offset(x, None, self.post_attention_norm, eps)[0]
 
         h, residual = ops.add_rmsnorm_offset(x, residual, self.pre_feedforward_norm, eps)
+        assert self.gate_up is not None and self.down is not None  # (Gemma's MLP is dense)
         gate_up = ops.linear(h, self.gate_up)
         act = ops.gelu_tanh_and_mul(gate_up) if self.gelu else ops.silu_and_mul(gate_up)
         x = self.reduced(ops.linear(act, self.down))

@@ -56,6 +56,20 @@ def transform_weights(
         raise ValueError(f"unknown weight layout {layout!r}")
     if int8_format not in INT8_FORMATS:
         raise ValueError(f"unknown int8 format {int8_format!r}")
+    if model.config.num_experts:
+        # (the experts' matrices multiply as loaded: no quantized or packed expert kernel yet)
+        if quantization is not None:
+            raise ConfigError(
+                f"quantization {quantization!r} of a mixture of experts "
+                f"({model.config.architecture}) is not supported yet; use 'none'",
+                field="quantization",
+            )
+        if layout == "fixed-order":
+            raise ConfigError(
+                "deterministic mode has no fixed-order kernel for a mixture of experts yet",
+                field="deterministic",
+            )
+        return
     if quantization == "int4" and int8_format != "blocks":
         raise ConfigError(
             "quantization 'int4' runs on the native CPU kernels only", field="quantization"

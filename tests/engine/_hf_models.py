@@ -57,6 +57,17 @@ def build(kind: str, **overrides):
         # (its default token ids are beyond the tiny vocabulary)
         cfg = tf.Phi3Config(**{"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **kw})
         model = tf.Phi3ForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg = tf.MixtralConfig(**{"num_local_experts": 4, "num_experts_per_tok": 2, **kw})
+        model = tf.MixtralForCausalLM(cfg)
+    elif kind == "qwen2_moe":
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        cfg = tf.Qwen2MoeConfig(**{**moe, "shared_expert_intermediate_size": 48, **kw})
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        cfg = tf.Qwen3MoeConfig(**{**moe, "head_dim": 16, "norm_topk_prob": True, **kw})
+        model = tf.Qwen3MoeForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(**kw)
         model = tf.MistralForCausalLM(cfg)

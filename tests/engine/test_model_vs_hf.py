@@ -67,6 +67,17 @@ CASES = {
     # q/k/v and gate/up stored fused; a window over every layer
     "phi3_fused_sliding_window": ("phi3", {"sliding_window": 6}),
     "phi3_no_window": ("phi3", {"sliding_window": None}),
+    # mixtures of experts: top 2 of 4 experts renormalized (Mixtral), not renormalized with a
+    # shared expert and a dense layer between (Qwen2-MoE), renormalized after QK-norm (Qwen3-MoE)
+    "mixtral_top2_of_4": ("mixtral", {"sliding_window": 6}),
+    "qwen2_moe_shared_expert": (
+        "qwen2_moe",
+        {"num_hidden_layers": 3, "mlp_only_layers": [1]},
+    ),
+    "qwen3_moe_every_other_layer": (
+        "qwen3_moe",
+        {"num_hidden_layers": 4, "decoder_sparse_step": 2},
+    ),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "head_dim": 16}),
     "mistral_no_window": ("mistral", {"sliding_window": None, "head_dim": 16}),
     # local layers (window 6, shorter than most prompts) between global ones; q/k scaled by
@@ -109,7 +120,7 @@ def test_flat_batch_matches_transformers(case, tmp_path):
     loaded = load_model(tmp_path, load_tokenizer=False)
     cfg = loaded.config
     assert cfg.architecture == kind
-    if kind in ("mistral", "phi3", "gemma3"):
+    if kind in ("mistral", "phi3", "mixtral", "gemma3"):
         assert cfg.sliding_window == overrides["sliding_window"]
     if "tie_word_embeddings" in overrides:
         tied = overrides["tie_word_embeddings"]

@@ -12,6 +12,7 @@ import torch
 from ..config import ModelConfig, torch_dtype
 from ..errors import ModelError
 from .tensor_names import (
+    canonical_name,
     check_tensors,
     expected_shapes,
     fused_parts,
@@ -86,10 +87,11 @@ def load_tensors(
     for f in _weight_files(path):
         try:
             with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
+                for stored in sf.keys():
+                    name = canonical_name(config, stored)
                     layer = layer_tensor(name)
                     if name in wanted or (layer is not None and layer[1] in fused):
-                        read = sf.get_tensor(name).to(target)
+                        read = sf.get_tensor(stored).to(target)
                         for part, t in split_fused(config, name, read, str(f)).items():
                             tensors[part] = t
                             origin[part] = str(f)

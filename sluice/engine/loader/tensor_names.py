@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ModelError
 from ..model import LayerWeights, ModelWeights
+from ..moe import ExpertWeights
 from ..weights import BlockInt8Embedding
 from .lazy_tensors import LazyTensors, tensor_shape
 
@@ -40,11 +41,18 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.weight": (c.kv_size, h),
                 p + "self_attn.v_proj.weight": (c.kv_size, h),
                 p + "self_attn.o_proj.weight": (h, c.q_size),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
             }
         )
+        if c.is_moe_layer(n):
+            shapes.update(_expert_shapes(c, p + "mlp."))
+        else:
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (i, h),
+                    p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i),
+                }
+            )
         if c.attention_bias:
             shapes.update(
                 {
@@ -61,6 +69,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+    return shapes
+
+
+def _expert_shapes(c: ModelConfig, mlp: str) -> dict[str, tuple[int, ...]]:
+    """A mixture of experts' tensors (Qwen's MoE names) under `mlp` ("model.layers.N.mlp.")."""
+    h, i = c.hidden_size, c.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {mlp + "gate.weight": (c.num_experts, h)}
+    for e in range(c.num_experts):
+        x = f"{mlp}experts.{e}."
+        shapes |= {x + "gate_proj.weight": (i, h), x + "up_proj.weight": (i, h)}
+        shapes[x + "down_proj.weight"] = (h, i)
+    if c.shared_expert_intermediate_size:
+        s, x = c.shared_expert_intermediate_size, mlp + "shared_expert."
+        shapes |= {x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h)}
+        shapes |= {x + "down_proj.weight": (h, s), mlp + "shared_expert_gate.weight": (1, h)}
     return shapes
 
 
@@ -147,6 +170,26 @@ def fused_rows(
     return out
 
 
+# Mixtral's names for its experts' matrices (under "block_sparse_moe.experts.N.")
+_MIXTRAL_EXPERT_MATRICES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_name(config: ModelConfig, name: str) -> str:
+    """One spelling of a tensor's HF name for the builder: Mixtral's router and experts under
+    Qwen's MoE names ("block_sparse_moe.experts.3.w1" -> "mlp.experts.3.gate_proj"); every other
+    name as it is."""
+    layer = layer_tensor(name)
+    if config.architecture != "mixtral" or layer is None:
+        return name
+    number, rest = layer
+    if not rest.startswith("block_sparse_moe."):
+        return name
+    parts = rest.removeprefix("block_sparse_moe.").split(".")
+    if parts[0] == "experts" and len(parts) == 4:
+        parts[2] = _MIXTRAL_EXPERT_MATRICES.get(parts[2], parts[2])
+    return f"model.layers.{number}.mlp." + ".".join(parts)
+
+
 def split_fused(
     config: ModelConfig, name: str, tensor: torch.Tensor, source: str
 ) -> dict[str, torch.Tensor]:
@@ -202,10 +245,30 @@ def model_weights(
                 _discard(tensors, part)
         return built
 
+    def experts(mlp: str) -> ExpertWeights:
+        x = mlp + "experts."
+        shared = config.shared_expert_intermediate_size > 0
+        return ExpertWeights(
+            router=get(mlp + "gate.weight"),
+            gate_up=[
+                cat(f"{x}{e}.gate_proj.weight", f"{x}{e}.up_proj.weight")
+                for e in range(config.num_experts)
+            ],
+            down=[get(f"{x}{e}.down_proj.weight") for e in range(config.num_experts)],
+            shared_gate_up=cat(
+                mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"
+            )
+            if shared
+            else None,
+            shared_down=optional(mlp + "shared_expert.down_proj.weight", shared),
+            shared_gate=optional(mlp + "shared_expert_gate.weight", shared),
+        )
+
     layers = []
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         a = p + "self_attn."
+        moe = config.is_moe_layer(n)
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
@@ -218,8 +281,8 @@ def model_weights(
                 qkv_bias=qkv_bias,
                 o=matrix(n, "o_proj", o_bias),
                 o_bias=o_bias,
-                gate_up=matrix(n, "gate_up"),
-                down=matrix(n, "down"),
+                gate_up=None if moe else matrix(n, "gate_up"),
+                down=None if moe else matrix(n, "down"),
                 pre_feedforward_norm=optional(
                     p + "pre_feedforward_layernorm.weight", config.sandwich_norms
                 ),
@@ -228,6 +291,7 @@ def model_weights(
                 ),
                 q_norm=optional(a + "q_norm.weight", config.qk_norm),
                 k_norm=optional(a + "k_norm.weight", config.qk_norm),
+                experts=experts(p + "mlp.") if moe else None,
             )
         )
     tied = config.tie_word_embeddings

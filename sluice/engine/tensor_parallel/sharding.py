@@ -66,6 +66,12 @@ class ShardPlan:
     def of(cls, config: ModelConfig, world_size: int) -> ShardPlan:
         """The split of `config` over `world_size` ranks; ConfigError where it cannot be split."""
         c = config
+        if c.num_experts:
+            # (experts split over ranks, or each expert's columns, would serve this; not built)
+            raise ConfigError(
+                f"tensor parallelism does not split a mixture of experts ({c.architecture}) yet",
+                field="tensor_parallel_size",
+            )
         if c.num_key_value_heads < world_size:
             # (replicating KV heads across ranks would serve this; not built)
             raise ConfigError(
