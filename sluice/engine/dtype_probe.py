@@ -49,13 +49,17 @@ class DtypeChoice:
 
 def matmul_shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
     """(N, K, count) of every matrix a forward multiplies by: a layer's four projections, once a
-    layer, and the LM head."""
+    layer (a mixture of experts: its MLP's as many times as a token runs experts), and the LM
+    head."""
     c, layers = config, config.num_hidden_layers
+    mlp, runs = c.intermediate_size, layers
+    if c.num_experts:
+        mlp, runs = c.moe_intermediate_size, layers * c.num_experts_per_tok
     return [
         (c.q_size + 2 * c.kv_size, c.hidden_size, layers),
         (c.hidden_size, c.q_size, layers),
-        (2 * c.intermediate_size, c.hidden_size, layers),
-        (c.hidden_size, c.intermediate_size, layers),
+        (2 * mlp, c.hidden_size, runs),
+        (c.hidden_size, mlp, runs),
         (c.vocab_size, c.hidden_size, 1),
     ]
 
