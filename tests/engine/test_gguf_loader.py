@@ -21,6 +21,8 @@ from _hf_models import (
 )
 from gguf import GGMLQuantizationType as Q
 
+from sluice.engine.config import EngineConfig
+from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import EngineError, ModelError
 from sluice.engine.loader import build_model, load_model
 from sluice.engine.loader import gguf as gguf_loader
@@ -243,6 +245,12 @@ _GGUF_LAYER = {
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    # the mixtures of experts' routers and Qwen2-MoE's shared expert
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 
 
@@ -287,6 +295,14 @@ def write_gguf(
         w.add_value_length(c.head_dim)
     if arch in ("gemma3", "phi3") and c.sliding_window:
         w.add_sliding_window(c.sliding_window)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if hasattr(c, "moe_intermediate_size"):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     for name, t in hf.state_dict().items():
         t = t.float().numpy()
@@ -295,6 +311,17 @@ def write_gguf(
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
+            if module == "mlp.experts":  # transformers' [E, 2I, H] and [E, H, I]
+                # llama.cpp stacks a layer's experts' matrices of a kind into one tensor
+                if kind == "gate_up_proj":
+                    half = t.shape[1] // 2
+                    w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :half]))
+                    w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, half:]))
+                else:
+                    w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t)
+                continue
+            if module.endswith("shared_expert_gate"):
+                t = t.reshape(-1)  # (a vector in llama.cpp's files)
             gname = f"blk.{i}.{layer_names[module]}.{kind}"
             if arch == "llama" and module == "self_attn.q_proj":
                 t = permute_qk(t, c.num_attention_heads)
@@ -408,6 +435,36 @@ def test_tiny_phi3_gguf_fused_matrices_and_window(tmp_path):
     assert "model.layers.0.mlp.up_proj.weight" in loaded.tensors
     assert "model.layers.0.mlp.gate_up_proj.weight" not in loaded.tensors
     _check_against_hf(hf, loaded)
+
+
+@pytest.mark.parametrize(
+    "kind,arch,overrides",
+    [
+        ("mixtral", "llama", {}),  # (Q and K rows permuted, as llama.cpp stores Llama's)
+        ("qwen2_moe", "qwen2moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+        ("qwen3_moe", "qwen3moe", {}),
+    ],
+)
+def test_tiny_mixture_of_experts_gguf(kind, arch, overrides, tmp_path):
+    """llama.cpp's form of a mixture of experts: each layer's experts stacked into one tensor per
+    kind of matrix, the router as ffn_gate_inp, Qwen2-MoE's shared expert and its vector gate; a
+    layer without a router is dense."""
+    hf = build(kind, **overrides)
+    write_gguf(tmp_path / "tiny.gguf", hf, arch)
+    loaded = load_model(tmp_path / "tiny.gguf", load_tokenizer=False)
+    cfg = loaded.config
+    assert cfg.architecture == kind and (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
+    assert cfg.dense_layers == tuple(overrides.get("mlp_only_layers", ()))
+    assert cfg.norm_topk_prob == (kind != "qwen2_moe")
+    _check_against_hf(hf, loaded)
+    # a file with a quantized matrix: `--quantization auto` runs it as floats all the same (no
+    # quantized expert kernel yet)
+    q8 = {"blk.0.attn_q.weight": lambda t: (gguf.quants.quantize(t, Q.Q8_0), Q.Q8_0)}
+    write_gguf(tmp_path / "q8.gguf", hf, arch, override=q8)
+    quantized = load_model(tmp_path / "q8.gguf", load_tokenizer=False)
+    assert quantized.stored_formats == ("Q8_0",)
+    config = EngineConfig(quantization="auto", kv_cache_bytes=1 << 20)
+    assert LLMEngine(config=config, loaded=quantized).config.quantization is None
 
 
 def test_phi3_longrope_file_is_refused(tmp_path):

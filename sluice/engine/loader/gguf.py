@@ -25,7 +25,7 @@ from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int4_blocks, gguf_int8
 from ..errors import ModelError
 from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, StoredRows, int4_blocks
 from .lazy_tensors import LazyMapping, LazyTensors, SharedRead
-from .tensor_names import check_tensors, fused_rows
+from .tensor_names import check_tensors, stored_parts
 
 if TYPE_CHECKING:
     from .gguf_file import GGUFFile
@@ -52,7 +52,13 @@ ARCHITECTURES = {
     "qwen3": "qwen3",
     "phi3": "phi3",
     "gemma3": "gemma3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
+# A "llama" file with experts is Mixtral's
+LLAMA_WITH_EXPERTS = "mixtral"
+# llama.cpp renormalizes the chosen experts' weights for these (as Mixtral and Qwen3-MoE do)
+RENORMALIZED_EXPERTS = {"llama", "qwen3moe"}
 # llama.cpp's converter permutes Q/K rows for these architectures only
 PERMUTED_QK = {"llama"}
 # ... and stores RMSNorm weights with Gemma's 1 added for these
@@ -75,6 +81,18 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A mixture of experts' router and experts (each kind of matrix stacked over the experts,
+# `tensor_names.stored_parts`), and Qwen2-MoE's shared expert
+_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 # Gemma's layer has four norms and QK-norm; its ffn_norm is the MLP input's norm
 _GEMMA3_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -89,6 +107,9 @@ _LAYER_NAMES_BY_ARCHITECTURE = {
     "gemma3": _GEMMA3_LAYER_NAMES,
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
     "phi3": _PHI3_LAYER_NAMES,
+    "llama": {**_LAYER_NAMES, **_EXPERT_NAMES},
+    "qwen2moe": {**_LAYER_NAMES, **_EXPERT_NAMES},
+    "qwen3moe": {**_LAYER_NAMES, **_QK_NORM_NAMES, **_EXPERT_NAMES},
 }
 # llama.cpp's LongRoPE factors (Phi-3's 128k-context files), which sluice does not apply
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -260,12 +281,43 @@ def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
     )
     if gguf_arch == "gemma3":
         config = _gemma3_config(config, m)
-    elif gguf_arch == "qwen3":
+    elif gguf_arch in ("qwen3", "qwen3moe"):
         config = replace(config, qk_norm=True)
     elif gguf_arch == "phi3":
         window = m.get(f"{a}.attention.sliding_window")
         config = replace(config, sliding_window=int(window) if window else None)
+    if m.get(f"{a}.expert_count"):
+        config = _experts_config(config, m, gguf_arch, names)
     return config, gguf_arch
+
+
+def _experts_config(
+    config: ModelConfig, m: _Meta, gguf_arch: str, names: dict[str, Any]
+) -> ModelConfig:
+    """A mixture of experts' fields: its layers with a router are the mixtures (Mixtral's file
+    is a "llama" one with experts)."""
+    a = gguf_arch
+    experts = int(m.need(f"{a}.expert_count"))
+    top_k = int(m.need(f"{a}.expert_used_count"))
+    if not 0 < top_k <= experts:
+        raise ModelError(
+            f"{m.source}: {a}.expert_used_count={top_k} must be between 1 and the {experts} "
+            "experts",
+            field=f"{a}.expert_used_count",
+        )
+    layers = config.num_hidden_layers
+    return replace(
+        config,
+        architecture=LLAMA_WITH_EXPERTS if a == "llama" else config.architecture,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(
+            m.get(f"{a}.expert_feed_forward_length") or config.intermediate_size
+        ),
+        norm_topk_prob=a in RENORMALIZED_EXPERTS or bool(m.get(f"{a}.expert_weights_norm")),
+        shared_expert_intermediate_size=int(m.get(f"{a}.expert_shared_feed_forward_length") or 0),
+        dense_layers=tuple(n for n in range(layers) if f"blk.{n}.ffn_gate_inp.weight" not in names),
+    )
 
 
 def _gemma3_config(config: ModelConfig, m: _Meta) -> ModelConfig:
@@ -339,8 +391,12 @@ def _read_blocks(
     return stored
 
 
-def _rows(read: Callable[[], torch.Tensor], rows: slice) -> torch.Tensor:
-    return read()[rows]
+def _rows(read: Callable[[], torch.Tensor], index: slice | int) -> torch.Tensor:
+    return read()[index]
+
+
+def _reshaped(read: Callable[[], torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    return read().reshape(shape)
 
 
 def _block_rows(read: Callable[[], Blocks], rows: slice) -> Blocks:
@@ -359,7 +415,7 @@ def _read_tensor(
     t: Any, name: str, config: ModelConfig, gguf_arch: str, target: torch.dtype, source: str
 ) -> torch.Tensor:
     """A tensor's values in HF's form and `target` dtype, read from the file now."""
-    if t.tensor_type.name in ("Q4_0", "Q4_1"):
+    if t.tensor_type.name in ("Q4_0", "Q4_1") and len(t.shape) == 2:
         # the same float32 values as gguf's dequantization (d q + m; Q4_0's m = -8 d is exact,
         # only its zeros may be +0 where gguf's are -0), in half its time
         k, n = (int(d) for d in t.shape)
@@ -396,10 +452,15 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         _check_type(t, source)
         type_name = t.tensor_type.name
-        parts = fused_rows(config, name, shape[0], source)  # (a fused matrix's parts)
         read_values: Callable[[], torch.Tensor] = partial(
             _read_tensor, t, name, config, gguf_arch, target, source
         )
+        if name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, *shape)  # (llama.cpp keeps Qwen2-MoE's [1, H] gate as a vector)
+            read_values = partial(_reshaped, read_values, shape)
+        # a fused matrix's parts, or a layer's stacked experts, each as a tensor of its own
+        parts = stored_parts(config, name, shape[0], source)
+        matrix = len(shape) == 2
         read_int4: Callable[[], Int4Blocks] = partial(
             _read_blocks, int4_blocks_of, t, name, config, gguf_arch
         )
@@ -410,20 +471,25 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
             read_values = SharedRead(read_values, len(parts))
             read_int4 = SharedRead(read_int4, len(parts))
             read_int8 = SharedRead(read_int8, len(parts))
-        for part, part_rows in parts:
+        for part, index in parts:
             values, int4, int8_part = read_values, read_int4, read_int8
             part_shape = shape
-            if part_rows is not None:
-                part_shape = (part_rows.stop - part_rows.start, *shape[1:])
-                values = partial(_rows, read_values, part_rows)
-                int4 = partial(_block_rows, read_int4, part_rows)
-                int8_part = partial(_block_rows, read_int8, part_rows)
+            if isinstance(index, int):  # one expert of a stacked tensor
+                part_shape = shape[1:]
+                values = partial(_rows, read_values, index)
+            elif index is not None:  # a run of a fused matrix's rows
+                part_shape = (index.stop - index.start, *shape[1:])
+                values = partial(_rows, read_values, index)
+                int4 = partial(_block_rows, read_int4, index)
+                int8_part = partial(_block_rows, read_int8, index)
             tensors.add_tensor(part, part_shape, target, values)
+            if not matrix:  # (the block readers read matrices)
+                continue
             if t.name.startswith("blk.") and part.endswith("_proj.weight"):
                 types[part] = type_name
                 if type_name in FOUR_BIT_TYPES:
                     blocks.add(part, int4)
-            if len(shape) == 2 and type_name in INT8_TYPES:
+            if type_name in INT8_TYPES:
                 int8.add(part, int8_part)
         if len(shape) == 2 and type_name in INT8_TYPES and name == "model.embed_tokens.weight":
             rows[name] = StoredRows(source, t.offset, t.data.nbytes, type_name, shape)

@@ -148,24 +148,37 @@ def layer_tensor(name: str) -> tuple[str, str] | None:
     return (number, rest) if not head and number.isdigit() and rest else None
 
 
-def fused_rows(
+def stored_parts(
     config: ModelConfig, name: str, rows: int, source: str
-) -> list[tuple[str, slice | None]]:
-    """The HF-named tensors a tensor read from a file gives, each with the rows of it that it is:
-    a fused matrix's parts (`fused_parts`), or the tensor itself whole (None)."""
+) -> list[tuple[str, slice | int | None]]:
+    """The HF-named tensors a tensor read from a file gives, each with its index into it: a fused
+    matrix's parts (`fused_parts`: runs of rows), a layer's experts stacked into one tensor (as
+    GGUF files hold them, "mlp.experts.gate_proj.weight" [E, I, H]: one expert each), or the
+    tensor itself whole (None)."""
     layer = layer_tensor(name)
-    parts = None if layer is None else fused_parts(config).get(layer[1])
-    if layer is None or parts is None:
+    if layer is None:
+        return [(name, None)]
+    number, module = layer
+    if config.num_experts and module.startswith("mlp.experts.") and module.count(".") == 3:
+        if rows != config.num_experts:
+            raise ModelError(
+                f"{source}: tensor {name!r} stacks {rows} experts, expected {config.num_experts}",
+                field=name,
+            )
+        part = module.split(".")[2]
+        return [(f"model.layers.{number}.mlp.experts.{e}.{part}.weight", e) for e in range(rows)]
+    parts = fused_parts(config).get(module)
+    if parts is None:
         return [(name, None)]
     if rows != sum(n for _, n in parts):
         raise ModelError(
             f"{source}: tensor {name!r} has {rows} rows, expected {sum(n for _, n in parts)}",
             field=name,
         )
-    out: list[tuple[str, slice | None]] = []
+    out: list[tuple[str, slice | int | None]] = []
     start = 0
     for part, n in parts:
-        out.append((f"model.layers.{layer[0]}.{part}", slice(start, start + n)))
+        out.append((f"model.layers.{number}.{part}", slice(start, start + n)))
         start += n
     return out
 
@@ -196,8 +209,8 @@ def split_fused(
     """A tensor as read from a file under HF names: a fused matrix (`fused_parts`) as views of
     its parts, any other as it is."""
     return {
-        part: tensor if rows is None else tensor[rows]
-        for part, rows in fused_rows(config, name, tensor.shape[0], source)
+        part: tensor if index is None else tensor[index]
+        for part, index in stored_parts(config, name, tensor.shape[0], source)
     }
 
 
