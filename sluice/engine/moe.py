@@ -9,6 +9,7 @@ experts its tokens chose and no others (a single decode reads `top_k` of them)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +40,27 @@ class MixtureOfExperts(nn.Module):
         self.shared_gate = None
         if w.shared_gate_up is not None and w.shared_down is not None:
             assert w.shared_gate is not None
-            self.shared_gate_up, self.shared_down = Linear(w.shared_gate_up), Linear(w.shared_down)
+            self.shared_gate_up: nn.Module = Linear(w.shared_gate_up)
+            self.shared_down: nn.Module = Linear(w.shared_down)
             self.shared_gate = frozen_parameter(w.shared_gate)
 
     @property
     def num_experts(self) -> int:
         return len(self.gate_up)
+
+    def replace_matrices(self, transform: Callable[[Linear], nn.Module]) -> None:
+        """Every expert's float matrix (the shared expert's too) in another form, one at a time
+        (quantized: `weight_transforms.quantize_in_blocks`); the router stays as it is."""
+
+        def replaced(m: nn.Module) -> nn.Module:
+            return transform(m) if isinstance(m, Linear) else m
+
+        for matrices in (self.gate_up, self.down):
+            for e in range(len(matrices)):
+                matrices[e] = replaced(matrices[e])
+        if self.shared_gate is not None:
+            self.shared_gate_up = replaced(self.shared_gate_up)
+            self.shared_down = replaced(self.shared_down)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] in h's dtype, experts [T, top_k]) of each token: the softmax

@@ -44,8 +44,8 @@ def choose_quantization(loaded: LoadedModel, ops: KernelOps) -> str | None:
     """`quantization="auto"`: the file's layers quantized as it stores them, and logged."""
     if loaded.config.num_experts:
         log.info(
-            "quantization auto: none (a mixture of experts runs its matrices as floats: "
-            "no quantized expert kernel yet)"
+            "quantization auto: none (a mixture of experts: its experts' stored blocks are not "
+            "read as they are yet; --quantization int8 or int4 quantizes them from their values)"
         )
         return None
     choice = quantization_as_stored(loaded.stored_formats, ops)

@@ -57,18 +57,21 @@ def transform_weights(
     if int8_format not in INT8_FORMATS:
         raise ValueError(f"unknown int8 format {int8_format!r}")
     if model.config.num_experts:
-        # (the experts' matrices multiply as loaded: no quantized or packed expert kernel yet)
-        if quantization is not None:
-            raise ConfigError(
-                f"quantization {quantization!r} of a mixture of experts "
-                f"({model.config.architecture}) is not supported yet; use 'none'",
-                field="quantization",
-            )
+        # Quantized, each expert's matrices are blocks the native kernels multiply; unquantized,
+        # every matrix multiplies as loaded (no packed or fixed-order expert kernel yet).
         if layout == "fixed-order":
             raise ConfigError(
                 "deterministic mode has no fixed-order kernel for a mixture of experts yet",
                 field="deterministic",
             )
+        if quantization is not None and int8_format != "blocks":
+            raise ConfigError(
+                f"quantization {quantization!r} of a mixture of experts "
+                f"({model.config.architecture}) runs on the native CPU kernels only",
+                field="quantization",
+            )
+        if quantization is not None:
+            quantize_in_blocks(model, 4 if quantization == "int4" else 8, stored)
         return
     if quantization == "int4" and int8_format != "blocks":
         raise ConfigError(
@@ -202,10 +205,14 @@ def quantize_in_blocks(
     for n, layer in enumerate(_layers(model)):
         for name in PROJECTIONS:
             linear = getattr(layer, name)
-            if isinstance(linear, BlockInt8Linear):
+            if linear is None or isinstance(linear, BlockInt8Linear):  # (None: experts instead)
                 continue
             read = partial(getattr, linear.weight, "data")
             setattr(layer, name, weights.projection((n, name), read, linear.bias))
+        if layer.experts is not None:  # (quantized from their values: no stored blocks read)
+            layer.experts.replace_matrices(
+                lambda linear: BlockInt8Linear.from_weight(linear.weight.data, linear.bias, bits)
+            )
     if not built_head:
         assert isinstance(head, Linear)
         model.lm_head = blocked = BlockInt8Linear.quantize(head)

@@ -20,6 +20,7 @@ from sluice.engine.forward import LayerByLayer, NativeStack
 from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.loader import load_model
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.weights import BlockInt8Linear
 
 # head_dim 64 and blocks of 16: the shapes the native family's C kernels serve
 SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -118,14 +119,31 @@ def test_qwen3_in_deterministic_mode_is_refused(saved):
 
 
 def test_a_mixture_of_experts_refuses_what_it_has_no_kernels_for_yet(saved):
-    """Quantized or fixed-order experts, and experts split over tensor-parallel ranks: refused by
-    name rather than run otherwise than asked."""
+    """Experts quantized per output channel (the torch family's int8), fixed-order experts, and
+    experts split over tensor-parallel ranks: refused by name rather than run otherwise than
+    asked."""
     path, _, _ = saved("mixtral")
-    for config, field in (
-        ({"quantization": "int8"}, "quantization"),
-        ({"deterministic": True}, "deterministic"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    for kernels, config, field in (
+        ("torch", {"quantization": "int8"}, "quantization"),
+        ("auto", {"deterministic": True}, "deterministic"),
+        ("auto", {"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ):
         with pytest.raises(ConfigError) as e:
-            engine(path, "auto", **config)  # type: ignore[arg-type]
+            engine(path, kernels, **config)  # type: ignore[arg-type]
         assert e.value.field == field, config
+
+
+@pytest.mark.skipif("native" not in _families(), reason="the native family is not built here")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_experts_run_in_blocks_on_the_native_kernels(saved, quantization):
+    """Every expert's matrices (the shared expert's too) are blocks the native kernels multiply
+    (their arithmetic against a float64 reference: test_moe.py), through the engine's batching
+    and chunked prefill."""
+    path, ps, _ = saved("qwen2_moe")
+    e = engine(path, "native", quantization=quantization)
+    experts = [layer.experts for layer in e.runner.model.layers if layer.experts is not None]
+    assert len(experts) == 2  # (its middle layer is dense)
+    for moe in experts:
+        matrices = [*moe.gate_up, *moe.down, moe.shared_gate_up, moe.shared_down]
+        assert all(isinstance(m, BlockInt8Linear) for m in matrices)
+    assert [len(tokens) for tokens in greedy(e, ps)] == [NEW_TOKENS] * len(ps)
