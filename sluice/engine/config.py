@@ -18,6 +18,7 @@ HF_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 # HF `model_type` of a config saved without `architectures` -> our family name
 HF_MODEL_TYPES = {
@@ -30,6 +31,7 @@ HF_MODEL_TYPES = {
     "mixtral": "mixtral",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
 }
 # Families whose sliding window (when the config sets one) is every layer's
 WINDOWED_EVERYWHERE = ("mistral", "phi3", "mixtral")
@@ -51,7 +53,7 @@ def _error(message: str, field: str) -> ModelError:
 @dataclass(frozen=True)
 class ModelConfig:
     # "llama" | "qwen2" | "qwen3" | "mistral" | "phi3" | "gemma3" | "mixtral" | "qwen2_moe" |
-    # "qwen3_moe"
+    # "qwen3_moe" | "olmoe"
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -92,6 +94,9 @@ class ModelConfig:
     # head of q and k before rotary (q_norm, k_norm; Qwen3 has these alone, scaled by the weight).
     sandwich_norms: bool = False
     qk_norm: bool = False
+    # OLMoE's QK-norm: q and k each normed as one vector over all their heads (weights [Hq*D] and
+    # [Hkv*D]), not head by head
+    qk_norm_whole: bool = False
     # The token embeddings are multiplied by this, in the model dtype (Gemma: sqrt(hidden_size)).
     embedding_scale: float | None = None
     # logits -> cap * tanh(logits / cap) (Gemma 2); None: no capping.
@@ -202,6 +207,8 @@ class ModelConfig:
                 f"(supported: {list(SUPPORTED_ACTIVATIONS)}, GELU for gemma3 only)",
                 act_field,
             )
+        if d.get("clip_qkv") is not None:
+            raise _error(f"{source}: unsupported field 'clip_qkv'={d['clip_qkv']!r}", "clip_qkv")
         if d.get("mlp_bias"):
             raise _error(f"{source}: unsupported field 'mlp_bias'=true", "mlp_bias")
         if d.get("partial_rotary_factor", 1.0) != 1.0:
@@ -267,7 +274,8 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d),
             sliding_window=int(sliding) if sliding else None,
-            qk_norm=arch in QWEN3_ATTENTION,
+            qk_norm=arch in (*QWEN3_ATTENTION, "olmoe"),
+            qk_norm_whole=arch == "olmoe",
             **_moe_fields(d, arch, int(need("num_hidden_layers")), source),
         )
 

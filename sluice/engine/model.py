@@ -60,8 +60,8 @@ class LayerWeights:
     pre_feedforward_norm: torch.Tensor | None = None  # [H]
     post_feedforward_norm: torch.Tensor | None = None  # [H]
     # Gemma and Qwen3 (`ModelConfig.qk_norm`); None elsewhere
-    q_norm: torch.Tensor | None = None  # [D]
-    k_norm: torch.Tensor | None = None  # [D]
+    q_norm: torch.Tensor | None = None  # [D] ([Hq*D] for OLMoE: `ModelConfig.qk_norm_whole`)
+    k_norm: torch.Tensor | None = None  # [D] ([Hkv*D] for OLMoE)
     # a mixture-of-experts layer's MLP (`ModelConfig.is_moe_layer`); None elsewhere
     experts: ExpertWeights | None = None
 
@@ -118,12 +118,14 @@ class DecoderLayer(nn.Module):
     def normed_heads(
         self, q: torch.Tensor, k: torch.Tensor, ops: KernelOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D] and k [T, Hkv, D], each head scaled to unit RMS and by its norm's weight
-        (new contiguous tensors)."""
+        """q [T, Hq, D] and k [T, Hkv, D], each head (OLMoE: each token's q and k whole) scaled to
+        unit RMS and by its norm's weight (new contiguous tensors)."""
         assert self.q_norm is not None and self.k_norm is not None
-        d, eps = self.d, self.eps
-        q = ops.add_rmsnorm(q.reshape(-1, d), None, self.q_norm, eps)[0].view(q.shape)
-        k = ops.add_rmsnorm(k.reshape(-1, d), None, self.k_norm, eps)[0].view(k.shape)
+        eps = self.eps
+        # (OLMoE's weights span all heads: each token's q and k are one vector each)
+        qd, kd = (self.q_norm.shape[0], self.k_norm.shape[0])
+        q = ops.add_rmsnorm(q.reshape(-1, qd), None, self.q_norm, eps)[0].view(q.shape)
+        k = ops.add_rmsnorm(k.reshape(-1, kd), None, self.k_norm, eps)[0].view(k.shape)
         return q, k
 
     def attention_output(

@@ -68,6 +68,12 @@ def build(kind: str, **overrides):
         moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
         cfg = tf.Qwen3MoeConfig(**{**moe, "head_dim": 16, "norm_topk_prob": True, **kw})
         model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "olmoe":
+        moe = {"num_experts": 4, "num_experts_per_tok": 2}
+        cfg = tf.OlmoeConfig(
+            **{**moe, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, **kw}
+        )
+        model = tf.OlmoeForCausalLM(cfg)
     elif kind == "mistral":
         cfg = tf.MistralConfig(**kw)
         model = tf.MistralForCausalLM(cfg)

@@ -30,6 +30,7 @@ MODELS = {
     "mixtral": ("mixtral", {**SHAPE, "sliding_window": 8}),
     "qwen2_moe": ("qwen2_moe", {**SHAPE, "num_hidden_layers": 3, "mlp_only_layers": [1]}),
     "qwen3_moe": ("qwen3_moe", {**SHAPE, "head_dim": 64}),
+    "olmoe": ("olmoe", SHAPE),
 }
 BLOCK = 16
 NEW_TOKENS = 10

@@ -443,6 +443,7 @@ def test_tiny_phi3_gguf_fused_matrices_and_window(tmp_path):
         ("mixtral", "llama", {}),  # (Q and K rows permuted, as llama.cpp stores Llama's)
         ("qwen2_moe", "qwen2moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
         ("qwen3_moe", "qwen3moe", {}),
+        ("olmoe", "olmoe", {}),
     ],
 )
 def test_tiny_mixture_of_experts_gguf(kind, arch, overrides, tmp_path):
@@ -455,7 +456,7 @@ def test_tiny_mixture_of_experts_gguf(kind, arch, overrides, tmp_path):
     cfg = loaded.config
     assert cfg.architecture == kind and (cfg.num_experts, cfg.num_experts_per_tok) == (4, 2)
     assert cfg.dense_layers == tuple(overrides.get("mlp_only_layers", ()))
-    assert cfg.norm_topk_prob == (kind != "qwen2_moe")
+    assert cfg.norm_topk_prob == (kind in ("mixtral", "qwen3_moe"))
     _check_against_hf(hf, loaded)
     # a file with a quantized matrix: `--quantization auto` runs it as floats all the same (no
     # quantized expert kernel yet)

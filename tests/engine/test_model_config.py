@@ -113,6 +113,38 @@ def test_qwen3_and_phi3():
     assert e.value.field == "rope_scaling" and "longrope" in str(e.value)
 
 
+def test_mixtures_of_experts():
+    base = {k: v for k, v in LLAMA31_V4.items() if k != "rope_scaling"}
+    mixtral = ModelConfig.from_hf_dict(
+        {**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+         "num_experts_per_tok": 2}
+    )  # fmt: skip
+    assert mixtral.architecture == "mixtral" and mixtral.norm_topk_prob  # (always, for Mixtral)
+    assert mixtral.moe_intermediate_size == mixtral.intermediate_size and not mixtral.plain_layers
+    qwen2_moe = ModelConfig.from_hf_dict(
+        {**base, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 60,
+         "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "decoder_sparse_step": 2,
+         "mlp_only_layers": [1], "shared_expert_intermediate_size": 5632}
+    )  # fmt: skip
+    # every second layer sparse, but layer 1 dense by name
+    assert qwen2_moe.dense_layers == tuple(n for n in range(32) if n % 2 == 0 or n == 1)
+    assert qwen2_moe.attention_bias and not qwen2_moe.norm_topk_prob  # (qkv_bias's default)
+    olmoe = ModelConfig.from_hf_dict(
+        {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 64, "num_experts_per_tok": 8}
+    )
+    assert olmoe.qk_norm and olmoe.qk_norm_whole
+    for bad, field in (
+        ({"num_experts_per_tok": 65}, "num_experts_per_tok"),
+        ({"clip_qkv": 8.0}, "clip_qkv"),
+    ):
+        with pytest.raises(EngineError) as e:
+            ModelConfig.from_hf_dict(
+                {**base, "architectures": ["OlmoeForCausalLM"], "num_experts": 64,
+                 "num_experts_per_tok": 8, **bad}
+            )  # fmt: skip
+        assert e.value.field == field
+
+
 def test_engine_config_dtype():
     assert str(EngineConfig().torch_dtype) == "torch.float32"
     assert str(EngineConfig(dtype="bfloat16").torch_dtype) == "torch.bfloat16"

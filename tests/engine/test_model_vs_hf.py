@@ -78,6 +78,8 @@ CASES = {
         "qwen3_moe",
         {"num_hidden_layers": 4, "decoder_sparse_step": 2},
     ),
+    # q and k normed whole, over all heads, then top 2 of 4 experts not renormalized
+    "olmoe_whole_qk_norm": ("olmoe", {}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 6, "head_dim": 16}),
     "mistral_no_window": ("mistral", {"sliding_window": None, "head_dim": 16}),
     # local layers (window 6, shorter than most prompts) between global ones; q/k scaled by

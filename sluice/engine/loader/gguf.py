@@ -54,6 +54,7 @@ ARCHITECTURES = {
     "gemma3": "gemma3",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    "olmoe": "olmoe",
 }
 # A "llama" file with experts is Mixtral's
 LLAMA_WITH_EXPERTS = "mixtral"
@@ -110,6 +111,7 @@ _LAYER_NAMES_BY_ARCHITECTURE = {
     "llama": {**_LAYER_NAMES, **_EXPERT_NAMES},
     "qwen2moe": {**_LAYER_NAMES, **_EXPERT_NAMES},
     "qwen3moe": {**_LAYER_NAMES, **_QK_NORM_NAMES, **_EXPERT_NAMES},
+    "olmoe": {**_LAYER_NAMES, **_QK_NORM_NAMES, **_EXPERT_NAMES},
 }
 # llama.cpp's LongRoPE factors (Phi-3's 128k-context files), which sluice does not apply
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -283,6 +285,8 @@ def read_config(reader: GGUFFile, source: str) -> tuple[ModelConfig, str]:
         config = _gemma3_config(config, m)
     elif gguf_arch in ("qwen3", "qwen3moe"):
         config = replace(config, qk_norm=True)
+    elif gguf_arch == "olmoe":  # (its q and k normed whole, over all heads)
+        config = replace(config, qk_norm=True, qk_norm_whole=True)
     elif gguf_arch == "phi3":
         window = m.get(f"{a}.attention.sliding_window")
         config = replace(config, sliding_window=int(window) if window else None)

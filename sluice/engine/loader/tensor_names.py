@@ -67,8 +67,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if c.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+            whole = c.qk_norm_whole
+            shapes[p + "self_attn.q_norm.weight"] = (c.q_size if whole else c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.kv_size if whole else c.head_dim,)
     return shapes
 
 

@@ -66,7 +66,7 @@ class ShardPlan:
     def of(cls, config: ModelConfig, world_size: int) -> ShardPlan:
         """The split of `config` over `world_size` ranks; ConfigError where it cannot be split."""
         c = config
-        if c.num_experts:
+        if c.num_experts or c.qk_norm_whole:
             # (experts split over ranks, or each expert's columns, would serve this; not built)
             raise ConfigError(
                 f"tensor parallelism does not split a mixture of experts ({c.architecture}) yet",
