@@ -21,46 +21,52 @@ from .weights import Linear, frozen_parameter
 
 @dataclass
 class ExpertWeights:
+    # each matrix a float one, or already in the form the engine runs it (blocks a file stored)
     router: torch.Tensor  # [E, H]
-    gate_up: list[torch.Tensor]  # each expert's [2*I, H] (gate rows, then up rows)
-    down: list[torch.Tensor]  # each expert's [H, I]
+    gate_up: list[torch.Tensor | nn.Module]  # each expert's [2*I, H] (gate rows, then up rows)
+    down: list[torch.Tensor | nn.Module]  # each expert's [H, I]
     # Qwen2-MoE's shared expert and its gate [1, H]; None elsewhere
-    shared_gate_up: torch.Tensor | None = None  # [2*Is, H]
-    shared_down: torch.Tensor | None = None  # [H, Is]
+    shared_gate_up: torch.Tensor | nn.Module | None = None  # [2*Is, H]
+    shared_down: torch.Tensor | nn.Module | None = None  # [H, Is]
     shared_gate: torch.Tensor | None = None  # [1, H]
+
+
+def _matrix(m: torch.Tensor | nn.Module) -> nn.Module:
+    return m if isinstance(m, nn.Module) else Linear(m)
 
 
 class MixtureOfExperts(nn.Module):
     def __init__(self, w: ExpertWeights, top_k: int, renormalize: bool):
         super().__init__()
         self.router = frozen_parameter(w.router)
-        self.gate_up = nn.ModuleList(Linear(m) for m in w.gate_up)
-        self.down = nn.ModuleList(Linear(m) for m in w.down)
+        self.gate_up = nn.ModuleList(_matrix(m) for m in w.gate_up)
+        self.down = nn.ModuleList(_matrix(m) for m in w.down)
         self.top_k, self.renormalize = top_k, renormalize
         self.shared_gate = None
         if w.shared_gate_up is not None and w.shared_down is not None:
             assert w.shared_gate is not None
-            self.shared_gate_up: nn.Module = Linear(w.shared_gate_up)
-            self.shared_down: nn.Module = Linear(w.shared_down)
+            self.shared_gate_up = _matrix(w.shared_gate_up)
+            self.shared_down = _matrix(w.shared_down)
             self.shared_gate = frozen_parameter(w.shared_gate)
 
     @property
     def num_experts(self) -> int:
         return len(self.gate_up)
 
-    def replace_matrices(self, transform: Callable[[Linear], nn.Module]) -> None:
-        """Every expert's float matrix (the shared expert's too) in another form, one at a time
-        (quantized: `weight_transforms.quantize_in_blocks`); the router stays as it is."""
+    def replace_matrices(self, transform: Callable[[str, Linear], nn.Module]) -> None:
+        """Every expert's float matrix (the shared expert's too) in another form, one at a time,
+        each given with its name as `tensor_names.layer_matrices` keys it ("experts.down.3";
+        quantized: `weight_transforms.quantize_in_blocks`); the router stays as it is."""
 
-        def replaced(m: nn.Module) -> nn.Module:
-            return transform(m) if isinstance(m, Linear) else m
+        def replaced(name: str, m: nn.Module) -> nn.Module:
+            return transform(name, m) if isinstance(m, Linear) else m
 
-        for matrices in (self.gate_up, self.down):
+        for kind, matrices in (("gate_up", self.gate_up), ("down", self.down)):
             for e in range(len(matrices)):
-                matrices[e] = replaced(matrices[e])
+                matrices[e] = replaced(f"experts.{kind}.{e}", matrices[e])
         if self.shared_gate is not None:
-            self.shared_gate_up = replaced(self.shared_gate_up)
-            self.shared_down = replaced(self.shared_down)
+            self.shared_gate_up = replaced("experts.shared_gate_up", self.shared_gate_up)
+            self.shared_down = replaced("experts.shared_down", self.shared_down)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] in h's dtype, experts [T, top_k]) of each token: the softmax

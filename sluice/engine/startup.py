@@ -42,12 +42,6 @@ def check_family(config: EngineConfig, ops: KernelOps) -> None:
 
 def choose_quantization(loaded: LoadedModel, ops: KernelOps) -> str | None:
     """`quantization="auto"`: the file's layers quantized as it stores them, and logged."""
-    if loaded.config.num_experts:
-        log.info(
-            "quantization auto: none (a mixture of experts: its experts' stored blocks are not "
-            "read as they are yet; --quantization int8 or int4 quantizes them from their values)"
-        )
-        return None
     choice = quantization_as_stored(loaded.stored_formats, ops)
     log.info("quantization auto: %s (%s)", choice.quantization or "none", choice.reason)
     return choice.quantization
@@ -73,7 +67,7 @@ def hint_stored_quantization(config: EngineConfig, loaded: LoadedModel, ops: Ker
     """A file whose matrices are quantized runs dequantized unless asked otherwise: say which
     `--quantization` multiplies them as stored (what a llama.cpp user expects of a GGUF)."""
     formats = loaded.stored_formats
-    if config.quantization or not formats or loaded.config.num_experts:
+    if config.quantization or not formats:
         return
     suggested = quantization_as_stored(formats, ops).quantization
     if suggested is None:

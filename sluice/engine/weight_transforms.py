@@ -209,10 +209,8 @@ def quantize_in_blocks(
                 continue
             read = partial(getattr, linear.weight, "data")
             setattr(layer, name, weights.projection((n, name), read, linear.bias))
-        if layer.experts is not None:  # (quantized from their values: no stored blocks read)
-            layer.experts.replace_matrices(
-                lambda linear: BlockInt8Linear.from_weight(linear.weight.data, linear.bias, bits)
-            )
+        if layer.experts is not None:  # (those not already made from the file's blocks)
+            layer.experts.replace_matrices(partial(_expert_in_blocks, weights, n))
     if not built_head:
         assert isinstance(head, Linear)
         model.lm_head = blocked = BlockInt8Linear.quantize(head)
@@ -222,6 +220,10 @@ def quantize_in_blocks(
     if isinstance(embed, Embedding):  # untied, and not made by the builder
         dtype = embed.weight.dtype
         model.embed_tokens = Int8Embedding(*quantize(embed.weight.data), dtype)
+
+
+def _expert_in_blocks(weights: BlockWeights, layer: int, name: str, linear: Linear) -> nn.Module:
+    return weights.projection((layer, name), partial(getattr, linear.weight, "data"), linear.bias)
 
 
 def pack_for_fixed_order(model: CausalLM) -> None:

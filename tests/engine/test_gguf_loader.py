@@ -304,6 +304,15 @@ def write_gguf(
         if getattr(c, "shared_expert_intermediate_size", 0):
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+
+    def put(gname: str, t: np.ndarray) -> None:
+        if override and gname in override:
+            t = override[gname](t)
+        if isinstance(t, tuple):
+            w.add_tensor(gname, t[0], raw_dtype=t[1])
+        else:
+            w.add_tensor(gname, t.astype(np.float16) if f16 and t.ndim == 2 else t)
+
     for name, t in hf.state_dict().items():
         t = t.float().numpy()
         if name == "lm_head.weight" and c.tie_word_embeddings:
@@ -315,10 +324,10 @@ def write_gguf(
                 # llama.cpp stacks a layer's experts' matrices of a kind into one tensor
                 if kind == "gate_up_proj":
                     half = t.shape[1] // 2
-                    w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :half]))
-                    w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, half:]))
+                    put(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :half]))
+                    put(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, half:]))
                 else:
-                    w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t)
+                    put(f"blk.{i}.ffn_down_exps.weight", t)
                 continue
             if module.endswith("shared_expert_gate"):
                 t = t.reshape(-1)  # (a vector in llama.cpp's files)
@@ -335,12 +344,7 @@ def write_gguf(
             }[name]
         if gemma3 and name.endswith("norm.weight"):
             t = t + 1.0
-        if override and gname in override:
-            t = override[gname](t)
-        if isinstance(t, tuple):
-            w.add_tensor(gname, t[0], raw_dtype=t[1])
-        else:
-            w.add_tensor(gname, t.astype(np.float16) if f16 and t.ndim == 2 else t)
+        put(gname, t)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, t in (extra or {}).items():
@@ -458,14 +462,90 @@ def test_tiny_mixture_of_experts_gguf(kind, arch, overrides, tmp_path):
     assert cfg.dense_layers == tuple(overrides.get("mlp_only_layers", ()))
     assert cfg.norm_topk_prob == (kind in ("mixtral", "qwen3_moe"))
     _check_against_hf(hf, loaded)
-    # a file with a quantized matrix: `--quantization auto` runs it as floats all the same (no
-    # quantized expert kernel yet)
-    q8 = {"blk.0.attn_q.weight": lambda t: (gguf.quants.quantize(t, Q.Q8_0), Q.Q8_0)}
-    write_gguf(tmp_path / "q8.gguf", hf, arch, override=q8)
-    quantized = load_model(tmp_path / "q8.gguf", load_tokenizer=False)
-    assert quantized.stored_formats == ("Q8_0",)
+
+
+def test_quantized_experts_keep_their_stored_blocks(tmp_path, monkeypatch):
+    """A Qwen2-MoE file whose stacked experts are 4-bit (gate, up) and Q8_0 (down) blocks, its
+    shared expert Q4_1: with int4 weights each expert's matrices hold the file's values of that
+    expert (float64 reference decoder), none of them read as floats; `--quantization auto` runs
+    it so."""
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+
+    rng = np.random.default_rng(4)
+    hf = build(
+        "qwen2_moe", hidden_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=64
+    )
+    c = hf.config
+    raws: dict[str, tuple[np.ndarray, Q]] = {}
+
+    def stored(gguf_name: str, qtype: Q):
+        def raw_of(t):
+            rows = t.reshape(-1, t.shape[-1])
+            raw = _raw_tensor(qtype, rows.shape, rng)[0]
+            raws[gguf_name] = raw, qtype
+            return raw.reshape(*t.shape[:-1], -1), qtype
+
+        return raw_of
+
+    kinds = {
+        "ffn_gate_exps": Q.Q4_0,
+        "ffn_up_exps": Q.Q4_0,
+        "ffn_down_exps": Q.Q8_0,
+        "ffn_gate_shexp": Q.Q4_1,
+        "ffn_up_shexp": Q.Q4_1,
+        "ffn_down_shexp": Q.Q4_1,
+    }
+    override = {
+        f"blk.{i}.{kind}.weight": stored(f"blk.{i}.{kind}.weight", qtype)
+        for i in range(c.num_hidden_layers)
+        for kind, qtype in kinds.items()
+    }
+    write_gguf(tmp_path / "m.gguf", hf, "qwen2moe", override=override)
+    read_as_floats = []
+    read = gguf_loader._read_tensor
+
+    def spy(t, name, *args):
+        read_as_floats.append(name)
+        return read(t, name, *args)
+
+    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    assert loaded.stored_formats == ("Q4_0", "Q4_1", "Q8_0")
+    model = build_model(
+        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
+        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
+        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
+    )  # fmt: skip
+    assert not [n for n in read_as_floats if "expert" in n and n.endswith("_proj.weight")]
+
+    def file_values(gguf_name: str, expert: int | None, rows: int) -> np.ndarray:
+        raw, qtype = raws[gguf_name]
+        per = raw.reshape(-1, raw.shape[-1]).shape[0] // (
+            c.num_experts if expert is not None else 1
+        )
+        raw = raw.reshape(-1, raw.shape[-1])[(expert or 0) * per : ((expert or 0) + 1) * per]
+        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        return reference_dequantize(flat, qtype, (rows, 256))
+
+    for i, layer in enumerate(model.layers):
+        moe = layer.experts
+        for e in range(c.num_experts):
+            want = np.concatenate(
+                [file_values(f"blk.{i}.ffn_{k}_exps.weight", e, 256) for k in ("gate", "up")]
+            )
+            got = moe.gate_up[e]
+            assert got.packed.fmt == FMT_Q4
+            values = widen_blocks(got.packed, torch.float32).double().numpy()
+            assert np.abs(values - want).max() <= 1e-6 * np.abs(want).max(), (i, e)
+            down = moe.down[e]
+            assert down.packed.fmt == FMT_Q8  # (stored wider than 4 bits: int8, its own codes)
+            values = widen_blocks(down.packed, torch.float32).double().numpy()
+            want = file_values(f"blk.{i}.ffn_down_exps.weight", e, 256)
+            assert np.abs(values - want).max() <= 1e-6 * np.abs(want).max(), (i, e)
+        assert moe.shared_down.packed.fmt == FMT_Q4
     config = EngineConfig(quantization="auto", kv_cache_bytes=1 << 20)
-    assert LLMEngine(config=config, loaded=quantized).config.quantization is None
+    assert LLMEngine(config=config, loaded=loaded).config.quantization == "int4"
 
 
 def test_phi3_longrope_file_is_refused(tmp_path):

@@ -86,7 +86,7 @@ def test_quantized_experts_multiply_the_values_their_blocks_stand_for(bits):
     except Exception as e:  # no C compiler here
         pytest.skip(f"the native kernels are not built here: {e}")
     moe = MixtureOfExperts(weights(shared=True), TOP_K, renormalize=False)
-    moe.replace_matrices(lambda m: BlockInt8Linear.from_weight(m.weight.data, None, bits))
+    moe.replace_matrices(lambda _, m: BlockInt8Linear.from_weight(m.weight.data, None, bits))
     assert all(isinstance(m, BlockInt8Linear) for m in [*moe.gate_up, *moe.down])
     assert isinstance(moe.shared_gate_up, BlockInt8Linear)
     h = hidden(13)
@@ -111,7 +111,7 @@ class Counting(nn.Module):
 
 def test_each_token_runs_only_the_experts_it_chose():
     moe = MixtureOfExperts(weights(shared=False), TOP_K, renormalize=True)
-    moe.replace_matrices(Counting)
+    moe.replace_matrices(lambda _, m: Counting(m))
     h = hidden(5)
     _, chosen = moe.route(h)
     moe(h, TorchOps())
@@ -119,7 +119,6 @@ def test_each_token_runs_only_the_experts_it_chose():
         routed = int((chosen == e).sum())
         assert moe.gate_up[e].rows == routed and moe.down[e].rows == routed, e
     # a single decode: its top k experts' matrices, none of the others'
-    moe.replace_matrices(lambda m: m)
     for m in [*moe.gate_up, *moe.down]:
         m.rows = 0
     moe(h[:1], TorchOps())

@@ -171,11 +171,11 @@ def _stored_projections(
 ) -> StoredProjections:
     """How the file stored each projection's stacked matrices and the LM head
     (`StoredProjections`)."""
-    from .tensor_names import PROJECTION_PARTS
+    from .tensor_names import layer_matrices
 
     out = StoredProjections()
     for n in range(config.num_hidden_layers):
-        for projection, parts in PROJECTION_PARTS.items():
+        for projection, parts in layer_matrices(config, n).items():
             key = (n, projection)
             names = [f"model.layers.{n}.{part}.weight" for part in parts]
             stored = [types.get(name) for name in names]

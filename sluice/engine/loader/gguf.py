@@ -407,6 +407,15 @@ def _block_rows(read: Callable[[], Blocks], rows: slice) -> Blocks:
     return read().rows(rows)
 
 
+def _read_expert_blocks(
+    blocks_of: Callable[[np.ndarray, str, tuple[int, int]], Blocks], t: Any, expert: int
+) -> Blocks:
+    """One expert's matrix of a tensor stacking a layer's experts, as `_read_blocks` reads a
+    matrix (experts' rows are never permuted)."""
+    k, n, _ = (int(d) for d in t.shape)
+    return blocks_of(np.asarray(t.data)[expert], t.tensor_type.name, (n, k))
+
+
 def int4_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:
     return Int4Blocks(*gguf_int4_blocks(raw, type_name, shape))
 
@@ -464,7 +473,6 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
             read_values = partial(_reshaped, read_values, shape)
         # a fused matrix's parts, or a layer's stacked experts, each as a tensor of its own
         parts = stored_parts(config, name, shape[0], source)
-        matrix = len(shape) == 2
         read_int4: Callable[[], Int4Blocks] = partial(
             _read_blocks, int4_blocks_of, t, name, config, gguf_arch
         )
@@ -481,13 +489,15 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
             if isinstance(index, int):  # one expert of a stacked tensor
                 part_shape = shape[1:]
                 values = partial(_rows, read_values, index)
+                int4 = partial(_read_expert_blocks, int4_blocks_of, t, index)
+                int8_part = partial(_read_expert_blocks, int8_blocks_of, t, index)
             elif index is not None:  # a run of a fused matrix's rows
                 part_shape = (index.stop - index.start, *shape[1:])
                 values = partial(_rows, read_values, index)
                 int4 = partial(_block_rows, read_int4, index)
                 int8_part = partial(_block_rows, read_int8, index)
             tensors.add_tensor(part, part_shape, target, values)
-            if not matrix:  # (the block readers read matrices)
+            if len(part_shape) != 2:  # (the block readers read matrices)
                 continue
             if t.name.startswith("blk.") and part.endswith("_proj.weight"):
                 types[part] = type_name

@@ -122,6 +122,25 @@ PROJECTION_PARTS = {
 }
 
 
+def layer_matrices(config: ModelConfig, layer: int) -> dict[str, tuple[str, ...]]:
+    """Each matrix a layer multiplies by, as the model keeps it (a key of `StoredProjections`
+    after the layer's index), with the HF matrices it stacks by rows, under "model.layers.N.": the
+    `PROJECTION_PARTS`, or for a mixture of experts the attention's and each expert's
+    ("experts.gate_up.3", "experts.down.3"; Qwen2-MoE's "experts.shared_gate_up", ...)."""
+    if not config.is_moe_layer(layer):
+        return dict(PROJECTION_PARTS)
+    out = {name: PROJECTION_PARTS[name] for name in ("qkv", "o_proj")}
+    for e in range(config.num_experts):
+        x = f"mlp.experts.{e}."
+        out[f"experts.gate_up.{e}"] = (x + "gate_proj", x + "up_proj")
+        out[f"experts.down.{e}"] = (x + "down_proj",)
+    if config.shared_expert_intermediate_size:
+        x = "mlp.shared_expert."
+        out["experts.shared_gate_up"] = (x + "gate_proj", x + "up_proj")
+        out["experts.shared_down"] = (x + "down_proj",)
+    return out
+
+
 def fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
     """The fused matrices a family's files hold in place of the HF names above, under
     "model.layers.N.", each with the parts it stacks by rows and their row counts (Phi-3's
@@ -259,23 +278,27 @@ def model_weights(
                 _discard(tensors, part)
         return built
 
-    def experts(mlp: str) -> ExpertWeights:
-        x = mlp + "experts."
+    def experts(n: int) -> ExpertWeights:
+        matrices = layer_matrices(config, n)
+
+        def expert(key: str) -> torch.Tensor | nn.Module:
+            names = [f"model.layers.{n}.{part}.weight" for part in matrices[key]]
+            if blocks is None:
+                return cat(*names)
+            built = blocks.projection((n, key), lambda: cat(*names), None)
+            if take:
+                for part in names:
+                    _discard(tensors, part)
+            return built
+
         shared = config.shared_expert_intermediate_size > 0
         return ExpertWeights(
-            router=get(mlp + "gate.weight"),
-            gate_up=[
-                cat(f"{x}{e}.gate_proj.weight", f"{x}{e}.up_proj.weight")
-                for e in range(config.num_experts)
-            ],
-            down=[get(f"{x}{e}.down_proj.weight") for e in range(config.num_experts)],
-            shared_gate_up=cat(
-                mlp + "shared_expert.gate_proj.weight", mlp + "shared_expert.up_proj.weight"
-            )
-            if shared
-            else None,
-            shared_down=optional(mlp + "shared_expert.down_proj.weight", shared),
-            shared_gate=optional(mlp + "shared_expert_gate.weight", shared),
+            router=get(f"model.layers.{n}.mlp.gate.weight"),
+            gate_up=[expert(f"experts.gate_up.{e}") for e in range(config.num_experts)],
+            down=[expert(f"experts.down.{e}") for e in range(config.num_experts)],
+            shared_gate_up=expert("experts.shared_gate_up") if shared else None,
+            shared_down=expert("experts.shared_down") if shared else None,
+            shared_gate=optional(f"model.layers.{n}.mlp.shared_expert_gate.weight", shared),
         )
 
     layers = []
@@ -305,7 +328,7 @@ def model_weights(
                 ),
                 q_norm=optional(a + "q_norm.weight", config.qk_norm),
                 k_norm=optional(a + "k_norm.weight", config.qk_norm),
-                experts=experts(p + "mlp.") if moe else None,
+                experts=experts(n) if moe else None,
             )
         )
     tied = config.tie_word_embeddings
