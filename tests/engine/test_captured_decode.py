@@ -53,20 +53,16 @@ def test_replayed_decode_steps_give_the_eager_steps_greedy_tokens(tmp_path, quan
     build("llama").save_pretrained(tmp_path)
     eager, replayed = engine(tmp_path, "triton", **quant), captured_engine(tmp_path, **quant)
     ps = prompts(eager.model_config.vocab_size)
-    assert greedy(replayed, ps) == greedy(eager, ps)
-    captured = captured_of(replayed)
-    assert captured.replays > 0
     # requests that stop at different lengths leave decode steps of 6, 5, ..., 1 sequences: most
     # pad up to a bucket
-    lengths = [3, 5, 7, 9, 11, 13]
-    before = captured.replays
+    lengths = [2, 3, 4, 5, 6, 7]
 
     def run(e):
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
         return [r.token_ids for r in e.generate(prompt_token_ids=ps, params=params)]
 
     assert run(replayed) == run(eager)
-    assert captured.replays > before
+    assert captured_of(replayed).replays > 0
 
 
 def test_padding_rows_write_nothing_and_real_rows_match_the_eager_step(tmp_path):
