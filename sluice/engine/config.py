@@ -101,7 +101,7 @@ class ModelConfig:
     embedding_scale: float | None = None
     # logits -> cap * tanh(logits / cap) (Gemma 2); None: no capping.
     final_logit_softcapping: float | None = None
-    # A mixture of experts (`moe`; Mixtral, Qwen2-MoE, Qwen3-MoE): in each layer not among
+    # A mixture of experts (`moe`; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): in each layer not among
     # `dense_layers` the MLP is `num_experts` gated MLPs of `moe_intermediate_size` columns, each
     # token running the `num_experts_per_tok` its router scores highest (renormalized over the
     # chosen where `norm_topk_prob`); 0 experts: every layer's MLP is dense.

@@ -97,7 +97,8 @@ class DecoderLayer(nn.Module):
         self.experts = None
         if w.experts is not None:
             self.experts = MixtureOfExperts(w.experts, c.num_experts_per_tok, c.norm_topk_prob)
-        # Qwen3's RMSNorm over each head of q and k before rotary (Gemma's: `GemmaDecoderLayer`)
+        # Qwen3's RMSNorm over each head of q and k before rotary, OLMoE's over all of them
+        # (Gemma's: `GemmaDecoderLayer`)
         self.q_norm = None if w.q_norm is None else frozen_parameter(w.q_norm)
         self.k_norm = None if w.k_norm is None else frozen_parameter(w.k_norm)
         # Sums this rank's partial o_proj and down outputs over the tensor-parallel ranks; None

@@ -1,8 +1,8 @@
-"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router
-scores every expert for each token, the token runs through the `top_k` highest-scored gated MLPs
-only, and their outputs are summed weighted by the softmax probabilities of the chosen (divided by
-their sum where the model renormalizes them). Qwen2-MoE adds a shared expert every token runs,
-scaled by the sigmoid of a gate of its own.
+"""A mixture of experts in place of a decoder layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a
+router scores every expert for each token, the token runs through the `top_k` highest-scored gated
+MLPs only, and their outputs are summed weighted by the softmax probabilities of the chosen
+(divided by their sum where the model renormalizes them). Qwen2-MoE adds a shared expert every
+token runs, scaled by the sigmoid of a gate of its own.
 
 Each expert multiplies only the rows of the tokens routed to it, so a step reads the weights of the
 experts its tokens chose and no others (a single decode reads `top_k` of them)."""
