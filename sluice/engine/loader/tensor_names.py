@@ -226,8 +226,8 @@ def canonical_name(config: ModelConfig, name: str) -> str:
 def split_fused(
     config: ModelConfig, name: str, tensor: torch.Tensor, source: str
 ) -> dict[str, torch.Tensor]:
-    """A tensor as read from a file under HF names: a fused matrix (`fused_parts`) as views of
-    its parts, any other as it is."""
+    """A tensor as read from a file under HF names: a fused matrix or stacked experts
+    (`stored_parts`) as views of its parts, any other as it is."""
     return {
         part: tensor if index is None else tensor[index]
         for part, index in stored_parts(config, name, tensor.shape[0], source)
