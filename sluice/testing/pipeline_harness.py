@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from sluice.connectors.processes import pid_alive
+from sluice.connectors.processes import pid_alive, port_is_free
 from sluice.connectors.settings import StackSettings
 
 # float32 and unquantized, as the in-process engines the tests compare with (the CLI's default
@@ -289,13 +290,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def restartable_port() -> int:
+    """A free port below the kernel's range of ephemeral ports: once the server on it is killed,
+    no other process's outgoing connection can be given it as its own end before the server
+    starts again on it (a port from `free_port` can be, and the restart then fails)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(10000, low) if low > 11000 else free_port()
+        if port_is_free("127.0.0.1", port):
+            return port
+    return free_port()
+
+
 def private_stack(home: Path) -> StackSettings:
-    """A broker and a Redis of one's own (to kill), on free ports, Redis syncing every write."""
+    """A broker and a Redis of one's own (to kill and start again), on free ports outside the
+    ephemeral range, Redis syncing every write."""
     return StackSettings(
         home=home,
-        kafka_port=free_port(),
-        kafka_controller_port=free_port(),
-        redis_port=free_port(),
+        kafka_port=restartable_port(),
+        kafka_controller_port=restartable_port(),
+        redis_port=restartable_port(),
         redis_appendfsync="always",
     )
 
