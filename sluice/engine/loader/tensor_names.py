@@ -268,28 +268,22 @@ def model_weights(
     def optional(name: str, present: bool) -> torch.Tensor | None:
         return get(name) if present else None
 
-    def matrix(n: int, name: str, bias: torch.Tensor | None = None) -> torch.Tensor | nn.Module:
-        names = [f"model.layers.{n}.{part}.weight" for part in PROJECTION_PARTS[name]]
+    def matrix(
+        n: int, key: str, parts: tuple[str, ...], bias: torch.Tensor | None = None
+    ) -> torch.Tensor | nn.Module:
+        """Layer n's matrix `key` (`layer_matrices`), stacking the HF matrices `parts`."""
+        names = [f"model.layers.{n}.{part}.weight" for part in parts]
         if blocks is None:
             return cat(*names)
-        built = blocks.projection((n, name), lambda: cat(*names), bias)
+        built = blocks.projection((n, key), lambda: cat(*names), bias)
         if take:
             for part in names:
                 _discard(tensors, part)
         return built
 
-    def experts(n: int) -> ExpertWeights:
-        matrices = layer_matrices(config, n)
-
+    def experts(n: int, matrices: dict[str, tuple[str, ...]]) -> ExpertWeights:
         def expert(key: str) -> torch.Tensor | nn.Module:
-            names = [f"model.layers.{n}.{part}.weight" for part in matrices[key]]
-            if blocks is None:
-                return cat(*names)
-            built = blocks.projection((n, key), lambda: cat(*names), None)
-            if take:
-                for part in names:
-                    _discard(tensors, part)
-            return built
+            return matrix(n, key, matrices[key])
 
         shared = config.shared_expert_intermediate_size > 0
         return ExpertWeights(
@@ -306,6 +300,7 @@ def model_weights(
         p = f"model.layers.{n}."
         a = p + "self_attn."
         moe = config.is_moe_layer(n)
+        matrices = layer_matrices(config, n)
         qkv_bias = None
         if config.attention_bias:
             qkv_bias = cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
@@ -314,12 +309,12 @@ def model_weights(
             LayerWeights(
                 input_norm=get(p + "input_layernorm.weight"),
                 post_attention_norm=get(p + "post_attention_layernorm.weight"),
-                qkv=matrix(n, "qkv", qkv_bias),
+                qkv=matrix(n, "qkv", matrices["qkv"], qkv_bias),
                 qkv_bias=qkv_bias,
-                o=matrix(n, "o_proj", o_bias),
+                o=matrix(n, "o_proj", matrices["o_proj"], o_bias),
                 o_bias=o_bias,
-                gate_up=None if moe else matrix(n, "gate_up"),
-                down=None if moe else matrix(n, "down"),
+                gate_up=None if moe else matrix(n, "gate_up", matrices["gate_up"]),
+                down=None if moe else matrix(n, "down", matrices["down"]),
                 pre_feedforward_norm=optional(
                     p + "pre_feedforward_layernorm.weight", config.sandwich_norms
                 ),
@@ -328,7 +323,7 @@ def model_weights(
                 ),
                 q_norm=optional(a + "q_norm.weight", config.qk_norm),
                 k_norm=optional(a + "k_norm.weight", config.qk_norm),
-                experts=experts(n) if moe else None,
+                experts=experts(n, matrices) if moe else None,
             )
         )
     tied = config.tie_word_embeddings
