@@ -355,6 +355,33 @@ def write_gguf(
     w.close()
 
 
+@pytest.fixture
+def read_as_floats(monkeypatch) -> list[str]:
+    """The HF names of the tensors the loader reads as floats from now on (the rest it reads as
+    blocks, or not at all)."""
+    names: list[str] = []
+    read = gguf_loader._read_tensor
+
+    def spy(t, name, *args):
+        names.append(name)
+        return read(t, name, *args)
+
+    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
+    return names
+
+
+def built_as_stored(loaded):
+    """The model with int4 weights on the native kernels, from what the file stores as it
+    stores it (its blocks, its embedding's rows)."""
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+
+    return build_model(
+        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
+        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
+        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
+    )  # fmt: skip
+
+
 def _check_against_hf(hf, loaded):
     cfg = loaded.config
     model = build_model(cfg, loaded.tensors)
@@ -464,13 +491,12 @@ def test_tiny_mixture_of_experts_gguf(kind, arch, overrides, tmp_path):
     _check_against_hf(hf, loaded)
 
 
-def test_quantized_experts_keep_their_stored_blocks(tmp_path, monkeypatch):
+def test_quantized_experts_keep_their_stored_blocks(tmp_path, read_as_floats):
     """A Qwen2-MoE file whose stacked experts are 4-bit (gate, up) and Q8_0 (down) blocks, its
     shared expert Q4_1: with int4 weights each expert's matrices hold the file's values of that
     expert (float64 reference decoder), none of them read as floats; `--quantization auto` runs
     it so."""
     from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
-    from sluice.engine.kernel_ops import resolve_kernel_ops
 
     rng = np.random.default_rng(4)
     hf = build(
@@ -502,21 +528,9 @@ def test_quantized_experts_keep_their_stored_blocks(tmp_path, monkeypatch):
         for kind, qtype in kinds.items()
     }
     write_gguf(tmp_path / "m.gguf", hf, "qwen2moe", override=override)
-    read_as_floats = []
-    read = gguf_loader._read_tensor
-
-    def spy(t, name, *args):
-        read_as_floats.append(name)
-        return read(t, name, *args)
-
-    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
     assert loaded.stored_formats == ("Q4_0", "Q4_1", "Q8_0")
-    model = build_model(
-        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
-        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
-        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
-    )  # fmt: skip
+    model = built_as_stored(loaded)
     assert not [n for n in read_as_floats if "expert" in n and n.endswith("_proj.weight")]
 
     def file_values(gguf_name: str, expert: int | None, rows: int) -> np.ndarray:
@@ -557,12 +571,11 @@ def test_phi3_longrope_file_is_refused(tmp_path):
     assert e.value.field == "rope_factors_long.weight" and "LongRoPE" in str(e.value)
 
 
-def test_phi3_fused_matrices_keep_their_stored_blocks(tmp_path, monkeypatch):
+def test_phi3_fused_matrices_keep_their_stored_blocks(tmp_path, read_as_floats):
     """A Phi-3 file whose fused q/k/v and gate/up matrices are 4-bit blocks: with int4 weights
     each layer's qkv and gate_up hold the file's values of the fused matrix (float64 reference
     decoder), none of them read as floats; the Q8_0 ones are int8 blocks with the file's codes."""
     from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
-    from sluice.engine.kernel_ops import resolve_kernel_ops
 
     rng = np.random.default_rng(3)
     hf = build("phi3", hidden_size=256, intermediate_size=256)
@@ -583,20 +596,8 @@ def test_phi3_fused_matrices_keep_their_stored_blocks(tmp_path, monkeypatch):
         for kind, qtype in kinds.items()
     }
     write_gguf(tmp_path / "m.gguf", hf, "phi3", override=override)
-    read_as_floats = []
-    read = gguf_loader._read_tensor
-
-    def spy(t, name, *args):
-        read_as_floats.append(name)
-        return read(t, name, *args)
-
-    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
-    model = build_model(
-        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
-        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
-        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
-    )  # fmt: skip
+    model = built_as_stored(loaded)
     assert not [n for n in read_as_floats if "layers" in n and not n.endswith("norm.weight")]
     for i, layer in enumerate(model.layers):
         for module, kind in ((layer.qkv, "attn_qkv"), (layer.gate_up, "ffn_up"),
@@ -726,7 +727,7 @@ def test_auto_picks_int4_wherever_a_file_has_4_bit_layers():
     assert quantization_as_stored((), native).quantization is None
 
 
-def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, monkeypatch):
+def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, read_as_floats):
     """A Q4_K_M-like file (Q4_K, with the V projection and the down projection in Q6_K, as
     llama.cpp's mixed files keep their most sensitive matrices wider, and Q8_0 vocabulary
     matrices): with int4 weights the projections stored in 4 bits hold the file's blocks, and
@@ -735,7 +736,6 @@ def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, monkeypatch):
     codes and the embedding's rows are read from the file's blocks (`FileEmbedding`). No matrix
     is read as floats on the way (only the norms are)."""
     from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
-    from sluice.engine.kernel_ops import resolve_kernel_ops
     from sluice.engine.loader.tensor_names import PROJECTION_PARTS
 
     rng = np.random.default_rng(2)
@@ -762,21 +762,9 @@ def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, monkeypatch):
     override["token_embd.weight"] = stored("model.embed_tokens.weight", Q.Q8_0)
     override["output.weight"] = stored("lm_head.weight", Q.Q8_0)
     write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
-    read_as_floats = []
-    read = gguf_loader._read_tensor
-
-    def spy(t, name, *args):
-        read_as_floats.append(name)
-        return read(t, name, *args)
-
-    monkeypatch.setattr(gguf_loader, "_read_tensor", spy)
     loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
     assert loaded.stored_formats == ("Q4_K", "Q6_K") and not loaded.config.tie_word_embeddings
-    model = build_model(
-        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
-        int4_blocks=loaded.int4_blocks, int8_blocks=loaded.int8_blocks,
-        stored_rows=loaded.stored_rows, stored_types=loaded.stored_types,
-    )  # fmt: skip
+    model = built_as_stored(loaded)
     assert read_as_floats and all(name.endswith("norm.weight") for name in read_as_floats)
     vocab, hidden = hf.config.vocab_size, hf.config.hidden_size
 
