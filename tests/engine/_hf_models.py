@@ -109,6 +109,28 @@ def hf_greedy_tokens(hf, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt) :]
 
 
+def prompts(vocab: int) -> list[list[int]]:
+    """Six prompts of 1 to 40 tokens for the engine tests, the last two sharing a 21-token prefix
+    (cached blocks for the second)."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
+    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+    return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]
+
+
+def cpu_families() -> list[str]:
+    """The CPU kernel families built here: torch, and native where a C compiler built it."""
+    from sluice.engine.kernel_ops import resolve_kernel_ops
+
+    out = ["torch"]
+    try:
+        resolve_kernel_ops("native", "cpu", False)
+        out.append("native")
+    except Exception:  # no C compiler: the native family is not built here
+        pass
+    return out
+
+
 def make_prompts(vocab, lengths=LENGTHS, seed=0):
     g = random.Random(seed)
     return [[g.randrange(vocab) for _ in range(n)] for n in lengths]

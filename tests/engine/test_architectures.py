@@ -10,14 +10,12 @@ test_gguf_loader.py."""
 from __future__ import annotations
 
 import pytest
-import torch
-from _hf_models import build, hf_greedy_tokens
+from _hf_models import build, cpu_families, hf_greedy_tokens, prompts
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import ConfigError
 from sluice.engine.forward import LayerByLayer, NativeStack
-from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.loader import load_model
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.weights import BlockInt8Linear
@@ -34,23 +32,6 @@ MODELS = {
 }
 BLOCK = 16
 NEW_TOKENS = 10
-
-
-def _families() -> list[str]:
-    out = ["torch"]
-    try:
-        resolve_kernel_ops("native", "cpu", False)
-        out.append("native")
-    except Exception:  # no C compiler: the native family is not built here
-        pass
-    return out
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
-    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
-    return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share cached blocks
 
 
 def engine(path, kernels: str, **config) -> LLMEngine:
@@ -85,7 +66,7 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kernels", _families())
+@pytest.mark.parametrize("kernels", cpu_families())
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_tokens_match_transformers(saved, name, kernels):
     path, ps, want = saved(name)
@@ -97,7 +78,7 @@ def test_greedy_tokens_match_transformers(saved, name, kernels):
     assert greedy(e, ps[-2:]) == want[-2:]
 
 
-@pytest.mark.skipif("native" not in _families(), reason="the native family is not built here")
+@pytest.mark.skipif("native" not in cpu_families(), reason="the native family is not built here")
 def test_phi3_int8_on_the_native_stack_gives_its_layer_by_layer_tokens(saved):
     """With packed int8 weights Phi-3 runs in the C layer stack and decodes in one call: the
     tokens of the same weights run layer by layer."""
@@ -110,7 +91,7 @@ def test_phi3_int8_on_the_native_stack_gives_its_layer_by_layer_tokens(saved):
     assert greedy(stacked, ps) == greedy(by_layer, ps)
 
 
-@pytest.mark.skipif("native" not in _families(), reason="the native family is not built here")
+@pytest.mark.skipif("native" not in cpu_families(), reason="the native family is not built here")
 def test_qwen3_in_deterministic_mode_is_refused(saved):
     """Its QK-norm has no fixed-order kernel yet: refused rather than run batch-dependent."""
     path, _, _ = saved("qwen3")
@@ -134,7 +115,7 @@ def test_a_mixture_of_experts_refuses_what_it_has_no_kernels_for_yet(saved):
         assert e.value.field == field, config
 
 
-@pytest.mark.skipif("native" not in _families(), reason="the native family is not built here")
+@pytest.mark.skipif("native" not in cpu_families(), reason="the native family is not built here")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_experts_run_in_blocks_on_the_native_kernels(saved, quantization):
     """Every expert's matrices (the shared expert's too) are blocks the native kernels multiply

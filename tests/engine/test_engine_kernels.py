@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _hf_models import build
+from _hf_models import build, prompts
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
@@ -38,13 +38,6 @@ MODELS = {
         },
     ),
 }
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
-    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
-    return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share cached blocks
 
 
 def engine(path, kernels: str, **config) -> LLMEngine:

@@ -12,10 +12,12 @@ import pytest
 import torch
 from _hf_models import (
     build,
+    cpu_families,
     garbage_caches,
     hf_greedy_tokens,
     hf_logits,
     make_prompts,
+    prompts,
     rel_err,
     run_in_steps,
     shuffled_tables,
@@ -25,7 +27,6 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.errors import ConfigError
 from sluice.engine.forward import LayerByLayer
-from sluice.engine.kernel_ops import resolve_kernel_ops
 from sluice.engine.loader import build_model, load_model
 from sluice.engine.sampling_params import SamplingParams
 
@@ -40,13 +41,6 @@ GEMMA3 = {
 VECTOR_HEADS = {**GEMMA3, "head_dim": 64}
 VECTOR_BLOCK = 16
 NEW_TOKENS = 12
-
-
-def prompts(vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, vocab, (21,), generator=g).tolist()
-    own = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
-    return own + [shared + [4, 5], shared + [7, 8, 9, 10, 11]]  # the last two share cached blocks
 
 
 def engine(path, kernels: str, **config) -> LLMEngine:
@@ -79,17 +73,7 @@ def vector_heads_dir(tmp_path_factory):
     return _saved(tmp_path_factory, VECTOR_HEADS)
 
 
-def _families() -> list[str]:
-    out = ["torch"]
-    try:
-        resolve_kernel_ops("native", "cpu", False)
-        out.append("native")
-    except Exception:  # no C compiler: the native family is not built here
-        pass
-    return out
-
-
-@pytest.mark.parametrize("kernels", _families())
+@pytest.mark.parametrize("kernels", cpu_families())
 @pytest.mark.parametrize("shape", ["small heads", "vector heads"])
 def test_greedy_tokens_match_transformers(gemma3_dir, vector_heads_dir, kernels, shape):
     hf, path = gemma3_dir if shape == "small heads" else vector_heads_dir
@@ -104,7 +88,7 @@ def test_greedy_tokens_match_transformers(gemma3_dir, vector_heads_dir, kernels,
 
 
 def test_int8_weights_run_layer_by_layer_on_native(vector_heads_dir):
-    if "native" not in _families():
+    if "native" not in cpu_families():
         pytest.skip("the native family is not built here (no C compiler)")
     hf, path = vector_heads_dir
     e = engine(path, "native", quantization="int8", block_size=VECTOR_BLOCK)
@@ -135,7 +119,7 @@ def test_bfloat16_close_to_transformers_bfloat16(gemma3_dir):
 
 def test_deterministic_mode_is_refused(vector_heads_dir):
     """Its extra norms and GELU run through torch, whose bits may depend on the batch."""
-    if "native" not in _families():
+    if "native" not in cpu_families():
         pytest.skip("the native family is not built here (no C compiler)")
     hf, path = vector_heads_dir
     with pytest.raises(ConfigError) as e:
