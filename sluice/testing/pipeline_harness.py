@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from sluice.connectors.processes import pid_alive, port_is_free
+from sluice.connectors.sessions import session_key
 from sluice.connectors.settings import StackSettings
 
 # float32 and unquantized, as the in-process engines the tests compare with (the CLI's default
@@ -282,6 +284,24 @@ async def committed_everything(bootstrap: str, topic: str, group: str, timeout: 
             await admin.close()
     finally:
         await consumer.stop()
+
+
+async def settled_session(redis_url: str, tenant: str, session_id: str, turns: int) -> dict:
+    """A session's record once it holds `turns` turns and none is in flight. A turn is recorded
+    after its final event is durable, so a client that has read the final may, for a moment,
+    still see the record without it (the session's next turn waits for it: `pending`)."""
+    client = aioredis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            raw = await client.get(session_key(tenant, session_id))
+            record = None if raw is None else json.loads(raw)
+            if record is not None and record["turns"] == turns and record["pending"] is None:
+                return record
+            assert time.monotonic() < deadline, f"session {tenant}/{session_id}: {record}"
+            await asyncio.sleep(0.1)
+    finally:
+        await client.aclose()
 
 
 def free_port() -> int:

@@ -3,7 +3,6 @@ driven by a plain aiokafka client."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -19,6 +18,7 @@ from sluice.testing.pipeline_harness import (
     new_prefix,
     publish,
     request,
+    settled_session,
 )
 
 pytestmark = pytest.mark.integration
@@ -220,8 +220,7 @@ async def test_second_turn_of_a_session_reuses_the_first_turns_kv_cache(
         keys = [k async for k in client.scan_iter(match=f"*{session}*")]
         assert len(keys) == 1
         assert 0 < await client.ttl(keys[0]) <= 3600
-        record = json.loads(await client.get(keys[0]))
-        assert record["turns"] == 2
+        record = await settled_session(redis_url, "acme", session, turns=2)
         assert [m["role"] for m in record["messages"]] == ["user", "assistant", "user", "assistant"]
     finally:
         await client.aclose()
@@ -248,13 +247,9 @@ async def test_turns_published_together_wait_for_each_other_and_a_replay_is_held
         client = aioredis.Redis.from_url(redis_url)
         try:
             (key,) = [k async for k in client.scan_iter(match=f"*{session}*")]
-            after_three = json.loads(await client.get(key))
+            after_three = await settled_session(redis_url, "acme", session, turns=3)
             await publish(bootstrap_servers, f"{prefix}.requests", [turns[0]])  # again
-            deadline = time.monotonic() + 60
-            while json.loads(await client.get(key))["turns"] != 1:
-                assert time.monotonic() < deadline, json.loads(await client.get(key))
-                await asyncio.sleep(0.2)
-            after_replay = json.loads(await client.get(key))
+            after_replay = await settled_session(redis_url, "acme", session, turns=1)
         finally:
             await client.aclose()
     finally:
