@@ -597,7 +597,7 @@ def main() -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="a smaller version (under a minute)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "auto"], default="float32")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--num-requests", type=int)
     p.add_argument("--output-len", type=int)
@@ -647,7 +647,7 @@ def main() -> None:
     p.add_argument("--engine-deterministic", action="store_true", help=argparse.SUPPRESS)
     # the sluice phase on other weights (bench/peers.py): a GGUF file, int8 quantization
     p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--quantization", choices=["int8", "int4"], help=argparse.SUPPRESS)
+    p.add_argument("--quantization", choices=["int8", "int4", "auto"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument(

@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.peers            # 64 requests x 128 tokens; a single request
     .venv/bin/python -m bench.peers --quick    # a smaller version, a few minutes
     .venv/bin/python -m bench.peers --rounds 3 # every configuration 3 times in turn: medians
+    .venv/bin/python -m bench.peers --model qwen2.5-coder-1.5b --quick   # a catalog model's file
     .venv/bin/python -m bench.peers --table-from bench/results/peers.json
 
 llama.cpp's default build (-march=native) suits most CPUs. On a CPU with AMX, its AMX path died
@@ -34,6 +35,10 @@ Engines, each phase in its own subprocess (its own peak memory), one after the o
              int8 codes are llama.cpp's Q8_0 codes of those weights: `quantize_blocks`), and
              --quantization int4 on Q4_1 (4-bit blocks by llama.cpp's Q4_1 rule, of the file's
              own 4-bit values; the LM head int8, as the file's is Q8_0).
+
+With --model NAME (a catalog model, `sluice models list`, or a GGUF path) both engines run that
+one file as stored instead: llama.cpp as it loads it, sluice with its defaults (`--quantization
+auto`: the file's 4-bit layers as stored, its wider ones in int8; `--dtype auto`).
 
 Both sides get the same seeded random prompt ids and produce exactly --output-len tokens each (no
 EOS). Reported: output tokens/s of the whole workload (prefill included), the single request's
@@ -77,6 +82,8 @@ SLUICE = (
     ("int4 (float32 act.)", "Q4_1", "float32", "int4"),
     ("int4 (bfloat16 act.)", "Q4_1", "bfloat16", "int4"),
 )
+AS_STORED = "as stored"  # --model: the one file, each engine's defaults
+SLUICE_AS_STORED = (("default", AS_STORED, "auto", "auto"),)
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -125,7 +132,7 @@ def convert(source: Path, target: Path, fmt: str) -> None:
 GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_CONT = 3, 5  # ggml.h
 
 
-def _quiet_log(level: int, text: bytes) -> None:
+def quiet_log(level: int, text: bytes) -> None:
     if GGML_LOG_LEVEL_WARN <= level < GGML_LOG_LEVEL_CONT:
         sys.stderr.write(text.decode(errors="replace"))
 
@@ -139,7 +146,7 @@ class LlamaCpp:
 
         self.L, self.np = L, np
         # llama.cpp logs every graph input at load; keep its warnings and errors only
-        self._log = L.llama_log_callback(lambda level, text, _: _quiet_log(level, text))
+        self._log = L.llama_log_callback(lambda level, text, _: quiet_log(level, text))
         L.llama_log_set(self._log, ctypes.c_void_p())
         L.llama_backend_init()
         self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
@@ -215,15 +222,15 @@ class LlamaCpp:
 
 def run_llama(a) -> dict:
     w = json.loads(a.workload)
-    prompts, single = et.workload(w, 49152)  # SmolLM2's vocabulary, as sluice's side sees it
+    prompts, single = et.workload(w, 49152)  # (the lengths do not depend on the vocabulary)
     # per sequence: its longest prompt and output, in whole 256-cell pages
     longest = max(map(len, prompts + [single])) + max(w["output_len"], w["single_output_len"])
     per_seq = -(-(longest + 16) // 256) * 256
     n_ctx = per_seq * len(prompts)
     t0 = time.perf_counter()
     llama = LlamaCpp(a.model, a.threads, n_ctx, len(prompts), a.n_batch)
-    assert llama.n_vocab == 49152, llama.n_vocab
     load_s = time.perf_counter() - t0
+    prompts, single = et.workload(w, llama.n_vocab)  # the ids sluice's side draws too
     llama.generate([p[:48] for p in prompts[:4]], 8)  # warm-up
 
     stamps: list[float] = []
@@ -300,6 +307,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a smaller workload (a few minutes)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--n-batch", type=int, default=512, help="llama.cpp's batch size in tokens")
+    p.add_argument(
+        "--model",
+        help="a catalog model or a GGUF file: both engines on that file as stored (default: the "
+        "default model, in llama.cpp's formats below)",
+    )
     p.add_argument("--formats", default=",".join(FORMATS), help="llama.cpp's weight formats to run")
     p.add_argument(
         "--sluice",
@@ -322,7 +334,6 @@ def main() -> None:
     p.add_argument("--phase", choices=["llama"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # spawn passes it
     a = p.parse_args()
     if a.rounds < 1:
@@ -348,7 +359,14 @@ def main() -> None:
     )
     w = dict(quick if a.quick else et.FULL_WORKLOAD, seed=a.seed)
     w["prompt_tokens"] = et.prompt_tokens(w)
-    files = weight_files()
+    if a.model:
+        from sluice.engine.loader import catalog
+
+        model = Path(a.model) if Path(a.model).is_file() else catalog.locate(a.model)
+        files = {AS_STORED: model}
+        a.formats, a.sluice = AS_STORED, ",".join(name for name, *_ in SLUICE_AS_STORED)
+    else:
+        files = weight_files()
     started = time.time()
     et.log(f"workload: {w}; {a.threads} threads")
     kv_mib = et.kv_cache_mib_for(w, 4)  # float32-sized for every configuration
@@ -371,6 +389,7 @@ def main() -> None:
             "threads": a.threads,
             "python": platform.python_version(),
         },
+        "model": files[AS_STORED].name if a.model else "SmolLM2-135M",
         "workload": w,
         "rounds": rounds,
     }
@@ -384,7 +403,7 @@ def run_round(a, w: dict, files: dict[str, Path], kv_mib: int) -> dict[str, dict
     """Every configuration once, one after the other: results by label, each output replaced by
     its agreement with sluice float32's."""
     runs: dict[str, dict] = {}
-    for name, fmt, dtype, quant in SLUICE:
+    for name, fmt, dtype, quant in SLUICE_AS_STORED if AS_STORED in files else SLUICE:
         if name not in a.sluice.split(","):
             continue
         et.log(f"sluice {name}: load + run ({files[fmt].name})")
@@ -405,7 +424,8 @@ def run_round(a, w: dict, files: dict[str, Path], kv_mib: int) -> dict[str, dict
     measured = [r for r in runs.values() if "failed" not in r]
     digests = {r["prompt_digest"] for r in measured}
     assert len(digests) <= 1, f"the engines saw different prompts: {digests}"
-    reference = runs.get("sluice float32")
+    # agreement with sluice float32's tokens, or with llama.cpp's on a file run as stored
+    reference = runs.get("sluice float32") or runs.get(f"llama.cpp {AS_STORED}")
     ref_outputs = None if reference is None or "failed" in reference else reference["outputs"]
     for r in measured:
         outputs = r.pop("outputs")
@@ -450,7 +470,8 @@ def summarize(r: dict) -> None:
     labels = list(dict.fromkeys(label for runs in rounds for label in runs))
     w = r["workload"]
     print(
-        f"\nSmolLM2-135M, {r['machine']['threads']} threads, {r['machine']['cpu']}, {r['date']}\n"
+        f"\n{r.get('model', 'SmolLM2-135M')}, {r['machine']['threads']} threads, "
+        f"{r['machine']['cpu']}, {r['date']}\n"
         f"{w['num_requests']} requests ({w['prompt_tokens']} prompt tokens) x {w['output_len']} "
         f"tokens; single request {w['single_prompt_len']} in, {w['single_output_len']} out"
         + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
@@ -488,7 +509,8 @@ def summarize(r: dict) -> None:
         "\nx best: against llama.cpp's best in the same round (throughput: higher is better; "
         "ms/token: lower is better)"
         + ("; range: the ms/token ratio's lowest and highest over the rounds" if spread else "")
-        + ". agree: share of tokens before the first difference from sluice float32's, averaged "
+        + ". agree: share of tokens before the first difference from sluice float32's (llama.cpp's "
+        "with --model), averaged "
         "over requests. others: cores other processes used meanwhile (the most in any round)."
     )
 
