@@ -250,7 +250,8 @@ def embedding_rows(model: CausalLM) -> EmbeddingRows | None:
     (`FileEmbedding`)."""
     embed = model.embed_tokens
     if isinstance(embed, BlockInt8Embedding) and embed.dtype == model.dtype:
-        return EmbeddingRows(EMBED_BLOCKS, embed.packed.data, None, embed.packed.n)
+        packed = embed.packed
+        return EmbeddingRows(EMBED_BLOCKS, packed.data, None, packed.n, packed.fmt)
     if isinstance(embed, FileEmbedding) and embed.dtype == model.dtype:
         number = TYPE_NUMBERS[embed.type_name]
         return EmbeddingRows(EMBED_FILE, embed.data, None, embed.shape[0], number)

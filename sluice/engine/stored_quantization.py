@@ -1,7 +1,7 @@
 """`quantization="auto"` (the CLI's default): a file's quantized matrices run quantized, each in
 the narrowest of the engine's formats that holds what the file stores (int4 weights keep the
-matrices a file stores wider in int8: `weight_transforms.quantize_in_blocks`), as a llama.cpp user
-expects of a GGUF; float files run unquantized.
+matrices a file stores wider as Q6_K blocks or int8: `weight_transforms.quantize_in_blocks`), as a
+llama.cpp user expects of a GGUF; float files run unquantized.
 
     choice = quantization_as_stored(("Q4_1",), ops)   # -> StoredChoice("int4", "...")
 """
@@ -38,8 +38,13 @@ def quantization_as_stored(formats: tuple[str, ...], ops: KernelOps) -> StoredCh
             "quantized blocks: dequantized",
         )
     if set(formats) & set(FOUR_BIT_TYPES) and "int4" in ops.quantizations:
-        wider = sorted(set(formats) - set(FOUR_BIT_TYPES))
-        keep = f"; the matrices stored as {'/'.join(wider)} run int8" if wider else ""
+        wider = sorted(set(formats) - set(FOUR_BIT_TYPES) - {"Q6_K"})
+        keep = (
+            "; Q6_K matrices keep their blocks (int8 beside 4-bit ones in a fused projection)"
+            if "Q6_K" in formats
+            else ""
+        )
+        keep += f"; the matrices stored as {'/'.join(wider)} run int8" if wider else ""
         return StoredChoice("int4", f"the file stores its layers' matrices as {stored}{keep}")
     if "int8" in ops.quantizations:
         return StoredChoice("int8", f"the file stores its layers' matrices as {stored}")

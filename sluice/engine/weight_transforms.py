@@ -169,8 +169,8 @@ class BlockWeights:
         return BlockInt8Linear.from_weight(read(), bias, bits)
 
     def head(self) -> BlockInt8Linear | None:
-        """The LM head in int8 from the file's blocks (the embedding's, when tied); None where
-        its type does not read so."""
+        """The LM head from the file's blocks (the embedding's, when tied): a Q6_K head's own,
+        another type's as int8; None where its type does not read so."""
         if self.stored.head is None:
             return None
         return BlockInt8Linear.from_int8_blocks(self.stored.head(), None)
@@ -189,7 +189,8 @@ def quantize_in_blocks(
 ) -> None:
     """Codes in blocks of 32 wherever a matrix is multiplied, multiplied as stored by the native
     kernel: the four projections of every layer in `bits` (8 or 4) as `BlockWeights` makes them,
-    the LM head in int8 (as GGUF files keep it: the vocabulary matrix is the most sensitive). A
+    the LM head in int8 (as GGUF files keep it: the vocabulary matrix is the most sensitive; a
+    file's Q6_K head keeps its own blocks). A
     tied head's embedding reads its rows from the head's matrix (`BlockInt8Embedding`); an untied
     one keeps int8 rows with one scale each (`Int8Embedding`). Norm weights stay in the model
     dtype. What the builder already made in blocks stays as it is."""

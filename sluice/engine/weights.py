@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from .loader.gguf_blocks import Int4Blocks, Int8Blocks
+    from .loader.gguf_blocks import Int4Blocks, WideBlocks
 
 
 def frozen_parameter(t: torch.Tensor) -> nn.Parameter:
@@ -173,12 +173,18 @@ class BlockInt8Linear(nn.Module):
         return cls(packed, optional_parameter(bias))
 
     @classmethod
-    def from_int8_blocks(cls, blocks: Int8Blocks, bias: torch.Tensor | None) -> BlockInt8Linear:
-        """A matrix as int8 blocks read from a file (`gguf_to_blocks`)."""
+    def from_int8_blocks(cls, blocks: WideBlocks, bias: torch.Tensor | None) -> BlockInt8Linear:
+        """A matrix as int8 blocks read from a file (`gguf_to_blocks`), or as a Q6_K tensor's own
+        blocks (`Q6Blocks`)."""
         from .cpu_kernels import block_int8_linear as packing
+        from .loader.gguf_blocks import Q6Blocks
 
         k = blocks.codes.shape[1]
-        return cls(packing.pack_blocks(blocks.codes, blocks.d, k), optional_parameter(bias))
+        if isinstance(blocks, Q6Blocks):
+            packed = packing.pack_q6_blocks(blocks.codes, blocks.d, blocks.sc, k)
+        else:
+            packed = packing.pack_blocks(blocks.codes, blocks.d, k)
+        return cls(packed, optional_parameter(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .cpu_kernels.block_int8_linear import block_int8_linear

@@ -35,7 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernels import cache_root, cpu_signature, require_library
-from .cpu_kernels.block_int8_linear import FMT_Q4, BlockInt8Weight, block_int8_linear, widen_blocks
+from .cpu_kernels.block_int8_linear import (
+    FMT_Q4,
+    FMT_Q6,
+    BlockInt8Weight,
+    block_int8_linear,
+    blocks_of,
+    pack_q6_blocks,
+    widen_blocks,
+)
 from .dtype_probe import MAX_PROBE_ELEMS, read_cache, write_cache
 from .weights import BlockInt8Linear, Linear
 
@@ -108,6 +116,18 @@ def _widened(x: torch.Tensor, packed: BlockInt8Weight) -> torch.Tensor:
 WAYS = (_as_stored, _widened)
 
 
+def _random_weight(n: int, k: int, fmt: int, g: torch.Generator) -> BlockInt8Weight:
+    """A random [n, k] weight packed in `fmt` (what the timings need is its format and shape)."""
+    if fmt == FMT_Q6:  # (nothing here quantizes to Q6_K: random codes and scales of its form)
+        nb = blocks_of(k)
+        codes = torch.randint(0, 64, (n, nb * 32), generator=g, dtype=torch.uint8)
+        d = (torch.rand(n, nb, generator=g) * 1e-3).half()
+        sc = torch.randint(-128, 128, (n, 2 * nb), generator=g, dtype=torch.int8)
+        return pack_q6_blocks(codes, d, sc, k)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    return BlockInt8Linear.quantize(Linear(w), 4 if fmt == FMT_Q4 else 8).packed
+
+
 def probe(shapes: list[Shape]) -> dict[str, dict[int, tuple[float, float]]]:
     """Milliseconds, per shape and row count, of the kernel on stored blocks and of widening the
     weight and multiplying in bfloat16 (medians of REPEATS, the two interleaved). A very large
@@ -117,8 +137,7 @@ def probe(shapes: list[Shape]) -> dict[str, dict[int, tuple[float, float]]]:
     with torch.inference_mode():
         for n, k, fmt in shapes:
             rows = max(16, min(n, MAX_PROBE_ELEMS // k))
-            w = torch.randn(rows, k, generator=g) / k**0.5
-            packed = BlockInt8Linear.quantize(Linear(w), 4 if fmt == FMT_Q4 else 8).packed
+            packed = _random_weight(rows, k, fmt, g)
             by_rows = {}
             for m in ROWS:
                 x = torch.randn(m, k, generator=g).to(torch.bfloat16)

@@ -727,15 +727,16 @@ def test_auto_picks_int4_wherever_a_file_has_4_bit_layers():
     assert quantization_as_stored((), native).quantization is None
 
 
-def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, read_as_floats):
+def test_a_mixed_file_keeps_its_wider_matrices_wider(tmp_path, read_as_floats):
     """A Q4_K_M-like file (Q4_K, with the V projection and the down projection in Q6_K, as
     llama.cpp's mixed files keep their most sensitive matrices wider, and Q8_0 vocabulary
-    matrices): with int4 weights the projections stored in 4 bits hold the file's blocks, and
-    those with a Q6_K matrix are int8 blocks, whose values are within half an int8 step (and its
-    float16 rounding) of the file's (float64 reference decoder); the LM head holds the file's own
-    codes and the embedding's rows are read from the file's blocks (`FileEmbedding`). No matrix
-    is read as floats on the way (only the norms are)."""
-    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q8, widen_blocks
+    matrices): with int4 weights the projections stored in 4 bits hold the file's blocks, the
+    down projection (all Q6_K) holds the file's Q6_K blocks, values exactly the file's (float64
+    reference decoder), and the fused q/k/v, a Q6_K matrix beside Q4_K ones, is int8 blocks within
+    half an int8 step (and its float16 rounding) of the file's values; the LM head holds the
+    file's own codes and the embedding's rows are read from the file's blocks (`FileEmbedding`).
+    No matrix is read as floats on the way (only the norms are)."""
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q6, FMT_Q8, widen_blocks
     from sluice.engine.loader.tensor_names import PROJECTION_PARTS
 
     rng = np.random.default_rng(2)
@@ -777,18 +778,27 @@ def test_a_mixed_file_keeps_its_wider_matrices_in_int8(tmp_path, read_as_floats)
     assert np.array_equal(head, file_values("lm_head.weight"))
     rows = model.embed_tokens(torch.arange(vocab)).double().numpy()
     assert np.array_equal(rows, file_values("model.embed_tokens.weight"))
+
+    def matrix(hf_name: str) -> np.ndarray:
+        raw, qtype = raws[hf_name]  # (K-quants: a row of bytes a matrix row)
+        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        return reference_dequantize(flat, qtype, (raw.shape[0], 256))
+
+    heads = hf.config.num_attention_heads
     for i, layer in enumerate(model.layers):
         assert layer.o_proj.packed.fmt == FMT_Q4 and layer.gate_up.packed.fmt == FMT_Q4
-        assert layer.qkv.packed.fmt == FMT_Q8 and layer.down.packed.fmt == FMT_Q8
-        raw, qtype = raws[f"model.layers.{i}.mlp.down_proj.weight"]
-        want = reference_dequantize(
-            np.ascontiguousarray(raw).view(np.uint8).reshape(-1), qtype, (256, 256)
-        )
-        got = widen_blocks(layer.down.packed, torch.float32).double().numpy()
-        step = np.repeat(np.abs(want).reshape(256, -1, 32).max(axis=2) / 127, 32, axis=1)
-        # half a step, and the step's float16 rounding times up to 127
-        ratio = (np.abs(got - want) / step).max()
-        assert ratio <= 0.5 + 127 * 2**-11, ratio
+        assert layer.qkv.packed.fmt == FMT_Q8 and layer.down.packed.fmt == FMT_Q6
+        down = widen_blocks(layer.down.packed, torch.float32).double().numpy()
+        assert np.array_equal(down, matrix(f"model.layers.{i}.mlp.down_proj.weight"))
+        attn = f"model.layers.{i}.self_attn"
+        # (llama's q and k rows as the file orders them for its rotary, back in HF's order)
+        q = unpermute_qk(matrix(f"{attn}.q_proj.weight"), heads)
+        k = unpermute_qk(matrix(f"{attn}.k_proj.weight"), hf.config.num_key_value_heads)
+        want = np.concatenate([q, k, matrix(f"{attn}.v_proj.weight")])
+        got = widen_blocks(layer.qkv.packed, torch.float32).double().numpy()
+        step = np.repeat(np.abs(want).reshape(len(want), -1, 32).max(axis=2) / 127, 32, axis=1)
+        # half a step, and the step's float16 rounding times up to 127 (a zero block: exact)
+        assert (np.abs(got - want) <= step * (0.5 + 127 * 2**-11)).all()
 
 
 def test_default_model_logits_match_transformers_gguf_loader(smollm2, monkeypatch):

@@ -12,8 +12,16 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_gguf_loader import _raw_tensor, reference_dequantize
 
-from sluice.engine.cpu_kernels.block_int8_linear import dequantize_blocks, quantize_blocks
-from sluice.engine.cpu_kernels.gguf_to_blocks import gguf_int4_blocks, gguf_int8_blocks
+from sluice.engine.cpu_kernels.block_int8_linear import (
+    dequantize_blocks,
+    dequantize_q6_blocks,
+    quantize_blocks,
+)
+from sluice.engine.cpu_kernels.gguf_to_blocks import (
+    gguf_int4_blocks,
+    gguf_int8_blocks,
+    gguf_q6_blocks,
+)
 from sluice.engine.loader.gguf_blocks import int4_blocks
 
 SHAPE = (6, 512)
@@ -62,6 +70,26 @@ def test_4_bit_types_give_the_blocks_numpy_reads(name):
     want = int4_blocks(raw, name, SHAPE)
     for mine, theirs in zip(got, (want.codes, want.d, want.m)):
         assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
+def test_q6_k_blocks_are_read_as_stored():
+    """A Q6_K tensor's own codes, scales and d (what the 6-bit kernel multiplies): the values they
+    stand for are the float64 reference decoder's exactly, and a super-block whose d is 0 reads as
+    zeros."""
+    raw = _raw(Q.Q6_K, seed=6)
+    raw.reshape(-1, 210)[1, 208:210] = 0
+    codes, d, sc = gguf_q6_blocks(raw, SHAPE)
+    assert codes.dtype == torch.uint8 and codes.shape == SHAPE and int(codes.max()) <= 63
+    assert d.dtype == torch.float16 and d.shape == (SHAPE[0], SHAPE[1] // 32)
+    assert sc.dtype == torch.int8 and sc.shape == (SHAPE[0], SHAPE[1] // 16)
+    assert (d.view(SHAPE[0], -1, 8) == d.view(SHAPE[0], -1, 8)[..., :1]).all()  # one d per 256
+    got = dequantize_q6_blocks(codes, d, sc, SHAPE[1]).double().numpy()
+    assert np.array_equal(got, reference_dequantize(raw, Q.Q6_K, SHAPE))
+    assert not got[0, 256:512].any()
+    with pytest.raises(ValueError, match="Q6_K blocks"):
+        gguf_q6_blocks(np.zeros(5 * 210, np.uint8), (5, 288))
+    with pytest.raises(ValueError, match="bytes"):
+        gguf_q6_blocks(raw[:-210], SHAPE)
 
 
 def test_a_zero_block_and_tiny_scales():

@@ -25,6 +25,16 @@
  * holding the codes of k = 32b + 4j + i (low nibble) and of k + 16 (high nibble) of column c,
  * then the 16 d, then the 16 m (320 bytes a block); VPDPBUSD takes the codes as they unpack.
  *
+ * 6-bit codes (`fmt` 3, GGUF's Q6_K): w = d * sc * (q - 32) with q in 0..63, an int8 sc for each
+ * 16 values along k and a float16 d for each 256 (repeated here in its eight blocks). A block's two
+ * halves are summed apart and joined in int32, exactly:
+ *     isum = sc_lo * (dot_lo(xq, q) - 32 * sum_lo(xq)) + sc_hi * (dot_hi(xq, q) - 32 * sum_hi(xq))
+ * (|isum| < 2^24, so its float32 conversion is exact too), and y[m][n] adds (xs * d) * isum, one
+ * fused multiply-add a block as for Q8_0. A block of a panel is the codes' low four bits as Q4's
+ * (4 vectors of 64 bytes, k and k + 16 in one byte), then their top two bits in 2 vectors of 64
+ * bytes (vector h, byte 4c + i, bits 2j..2j+1: k = 16h + 4j + i), then the 16 d as float16, the 16
+ * sc of k 0..15 and the 16 of k 16..31 as int8 (448 bytes a block: 7 bits a weight).
+ *
  * Layouts: x [M, K] with row stride x_stride, bias [N] or NULL, out [M, N] with row stride
  * out_stride; all float32, or all bfloat16 (`bf16`).
  */
@@ -53,10 +63,14 @@
 #define NC 16                                 /* columns of a panel */
 #define BLOCK_BYTES (KB * NC + NC * 2)        /* codes, then float16 scales */
 #define Q4_BLOCK_BYTES (KB * NC / 2 + NC * 4) /* codes in nibbles, then float16 d and m */
+#define Q6_LOW (KB * NC / 2)                  /* where a Q6 block's top bits start */
+#define Q6_SCALES (Q6_LOW + KB * NC / 4)      /* ... and its float16 d, then its int8 sc */
+#define Q6_BLOCK_BYTES (Q6_SCALES + NC * 4)
 #define FMT_Q8 0
 #define FMT_Q4 1
-#define MR 4 /* rows of a tile */
-#define NP 2 /* panels of a tile */
+#define FMT_Q6 3 /* (2 is the fixed-order kernel's, in the layer stack's numbering) */
+#define MR 4     /* rows of a tile */
+#define NP 2     /* panels of a tile */
 #define BLOCK_M (MR * 16)
 #define TINY_BLOCK 1e-30f /* activation blocks below this amax are zeros */
 
@@ -66,7 +80,9 @@ static inline int64_t panels_of(int64_t n) { return (n + NC - 1) / NC; }
 /* Which dot-product code this build runs: 2 AVX512-VNNI, 1 AVX2, 0 portable (the same bits). */
 int sluice_block_int8_dot_path(void) { return HAVE_VNNI ? 2 : HAVE_AVX2 ? 1 : 0; }
 
-static inline int64_t block_bytes(int fmt) { return fmt == FMT_Q4 ? Q4_BLOCK_BYTES : BLOCK_BYTES; }
+static inline int64_t block_bytes(int fmt) {
+    return fmt == FMT_Q4 ? Q4_BLOCK_BYTES : fmt == FMT_Q6 ? Q6_BLOCK_BYTES : BLOCK_BYTES;
+}
 
 int64_t sluice_block_int8_packed_bytes(int64_t N, int64_t K) {
     return panels_of(N) * blocks_of(K) * BLOCK_BYTES;
@@ -74,6 +90,39 @@ int64_t sluice_block_int8_packed_bytes(int64_t N, int64_t K) {
 
 int64_t sluice_block_int4_packed_bytes(int64_t N, int64_t K) {
     return panels_of(N) * blocks_of(K) * Q4_BLOCK_BYTES;
+}
+
+int64_t sluice_block_q6_packed_bytes(int64_t N, int64_t K) {
+    return panels_of(N) * blocks_of(K) * Q6_BLOCK_BYTES;
+}
+
+/* codes uint8 in 0..63 [N, nb * 32] (k past K: 32, a zero), d float16 bits [N, nb] (a block's
+ * super-block's), sc int8 [N, 2 * nb] (a block's two halves'). */
+void sluice_block_q6_pack(const uint8_t *codes, const uint16_t *d, const int8_t *sc, int64_t N,
+                          int64_t K, uint8_t *packed) {
+    const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
+#pragma omp parallel for schedule(static) if (P * nb > 256)
+    for (int64_t p = 0; p < P; p++) {
+        memset(packed + p * nb * Q6_BLOCK_BYTES, 0, (size_t)(nb * Q6_BLOCK_BYTES));
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = packed + (p * nb + b) * Q6_BLOCK_BYTES;
+            uint16_t *dd = (uint16_t *)(blk + Q6_SCALES);
+            int8_t *ss = (int8_t *)(dd + NC);
+            for (int c = 0; c < NC; c++) {
+                const int64_t n = p * NC + c;
+                if (n >= N) continue;
+                dd[c] = d[n * nb + b];
+                ss[c] = sc[n * 2 * nb + 2 * b];
+                ss[NC + c] = sc[n * 2 * nb + 2 * b + 1];
+                for (int t = 0; t < KB; t++) {
+                    const uint8_t q = codes[n * kp + b * KB + t] & 0x3f;
+                    const int lane = t % 16, half = t / 16, j = lane / 4, at = 4 * c + lane % 4;
+                    blk[j * 64 + at] |= (uint8_t)((q & 0x0f) << (4 * half));
+                    blk[Q6_LOW + half * 64 + at] |= (uint8_t)((q >> 4) << (2 * j));
+                }
+            }
+        }
+    }
 }
 
 /* codes uint8 in 0..15 [N, nb * 32] (k past K zero), d and m float16 bits [N, nb]. */
@@ -138,36 +187,29 @@ static inline float f16_to_float(uint16_t h) {
     return v;
 }
 
-/* Rows ids[0..T-1] of the packed [N, K] weight, dequantized (code x scale, exact in float32) into
- * out [T, K] (float32, or bfloat16 rounded once): an embedding lookup on a tied LM head's weight,
- * so the two share one int8 copy. Returns 0, or -2 for an id outside [0, N). */
-int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
-                           int64_t T, void *out, int bf16) {
-    const int64_t nb = blocks_of(K), panel_stride = nb * BLOCK_BYTES;
-    for (int64_t t = 0; t < T; t++)
-        if (ids[t] < 0 || ids[t] >= N) return -2;
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t n = ids[t], c = n % NC;
-        const uint8_t *panel = packed + (n / NC) * panel_stride;
-        for (int64_t k = 0; k < K; k++) {
-            const uint8_t *blk = panel + (k / KB) * BLOCK_BYTES;
-            const int i = (int)(k % KB);
-            const float scale = f16_to_float(((const uint16_t *)(blk + KB * NC))[c]);
-            const float v = (float)((int)blk[(i / 4) * 64 + 4 * c + (i % 4)] - 128) * scale;
-            if (bf16)
-                ((uint16_t *)out)[t * K + k] = float_to_bf16(v);
-            else
-                ((float *)out)[t * K + k] = v;
-        }
-    }
-    return 0;
-}
-
-/* Column c of a packed block (either format), dequantized: w[t] for k = 32b + t. The products are
- * exact in float32 (a code times a float16 scale), so the values are the codes' own. */
+/* Column c of a packed block (any format), dequantized: w[t] for k = 32b + t. The products are
+ * exact in float32 (a code times a float16 scale; Q6: sc (q - 32), |.| <= 4096, times d), so the
+ * values are the codes' own. */
 static inline void block_column(const uint8_t *blk, int fmt, int c, float w[KB]) {
     /* the column's bytes are gathered in k order first, four from each 64-byte vector, so the
      * conversions run on whole vectors */
+    if (fmt == FMT_Q6) {
+        const uint16_t *dd = (const uint16_t *)(blk + Q6_SCALES);
+        const int8_t *ss = (const int8_t *)(dd + NC);
+        const float d = f16_to_float(dd[c]);
+        uint8_t nibbles[KB / 2], top[2][KB / 2];
+        for (int j = 0; j < KB / 8; j++) {
+            memcpy(nibbles + 4 * j, blk + j * 64 + 4 * c, 4);
+            for (int h = 0; h < 2; h++) memcpy(top[h] + 4 * j, blk + Q6_LOW + h * 64 + 4 * c, 4);
+        }
+        for (int t = 0; t < KB; t++) {
+            const int lane = t % 16, h = t / 16, j = lane / 4;
+            const int q =
+                ((nibbles[lane] >> (4 * h)) & 0x0f) | (((top[h][lane] >> (2 * j)) & 3) << 4);
+            w[t] = (float)(ss[h * NC + c] * (q - 32)) * d;
+        }
+        return;
+    }
     if (fmt == FMT_Q4) {
         const uint16_t *dd = (const uint16_t *)(blk + KB * NC / 2);
         const float d = f16_to_float(dd[c]), m = f16_to_float(dd[NC + c]);
@@ -181,6 +223,30 @@ static inline void block_column(const uint8_t *blk, int fmt, int c, float w[KB])
     uint8_t q[KB];
     for (int j = 0; j < KB / 4; j++) memcpy(q + 4 * j, blk + j * 64 + 4 * c, 4);
     for (int t = 0; t < KB; t++) w[t] = (float)((int)q[t] - 128) * scale;
+}
+
+/* Rows ids[0..T-1] of the packed [N, K] weight (format `fmt`), dequantized (exact in float32)
+ * into out [T, K] (float32, or bfloat16 rounded once): an embedding lookup on a tied LM head's
+ * weight, so the two share one copy. Returns 0, or -2 for an id outside [0, N). */
+int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, int fmt, const int64_t *ids,
+                           int64_t T, void *out, int bf16) {
+    const int64_t nb = blocks_of(K), bytes = block_bytes(fmt);
+    for (int64_t t = 0; t < T; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t n = ids[t];
+        const uint8_t *panel = packed + (n / NC) * nb * bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            float w[KB];
+            block_column(panel + b * bytes, fmt, (int)(n % NC), w);
+            const int64_t k0 = b * KB, kn = K - k0 < KB ? K - k0 : KB;
+            if (bf16)
+                narrow_n((uint16_t *)out + t * K + k0, w, (int)kn);
+            else
+                memcpy((float *)out + t * K + k0, w, (size_t)kn * sizeof(float));
+        }
+    }
+    return 0;
 }
 
 /* The whole packed [N, K] weight dequantized into out [N, K] (float32, or bfloat16 rounded once),
@@ -207,12 +273,13 @@ void sluice_block_widen(const uint8_t *packed, int64_t N, int64_t K, int fmt, vo
         }
 }
 
-/* Row m of x into nb blocks of codes (xq, nb * 32 bytes), their scales and their code sums. */
+/* Row m of x into nb blocks of codes (xq, nb * 32 bytes), their scales, their code sums and the
+ * sums of each block's first 16 codes (xlo: Q6's halves). */
 #if HAVE_VNNI
 /* Two vectors a block: the same products, rounded the same way (VCVTPS2DQ rounds to nearest even
  * as nearbyintf does in the default mode), so the same codes as the portable loop below. */
 static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs,
-                         int32_t *xsum) {
+                         int32_t *xsum, int32_t *xlo) {
     for (int64_t b = 0; b < nb; b++) {
         const int64_t k0 = b * KB, n = K - k0 < KB ? K - k0 : KB;
         const __mmask32 in = n == KB ? 0xffffffffu : (1u << n) - 1; /* k past K reads as 0 */
@@ -234,12 +301,13 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
         _mm_storeu_si128((__m128i *)(xq + k0), _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *)(xq + k0 + 16), _mm512_cvtepi32_epi8(q1));
         xs[b] = amax >= TINY_BLOCK ? amax / 127.0f : 0.0f;
-        xsum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        xlo[b] = _mm512_reduce_add_epi32(q0);
+        xsum[b] = xlo[b] + _mm512_reduce_add_epi32(q1);
     }
 }
 #else
 static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t *xq, float *xs,
-                         int32_t *xsum) {
+                         int32_t *xsum, int32_t *xlo) {
     for (int64_t b = 0; b < nb; b++) {
         float v[KB];
         for (int t = 0; t < KB; t++) {
@@ -255,6 +323,7 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
             const int q = (int)nearbyintf(v[t] * inv);
             xq[b * KB + t] = (int8_t)q;
             sum += q;
+            if (t == KB / 2 - 1) xlo[b] = sum;
         }
         xs[b] = amax >= TINY_BLOCK ? amax / 127.0f : 0.0f;
         xsum[b] = sum;
@@ -265,9 +334,9 @@ static void quantize_row(const void *x, int64_t K, int64_t nb, int bf16, int8_t 
 #if HAVE_VNNI
 /* mr rows of quantized x against np panels: 16 * np columns of those rows. */
 static inline __attribute__((always_inline)) void
-tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
-     int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
-     const int np, int bf16, const int fmt) {
+tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo, int64_t nb,
+     const uint8_t *w, int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols,
+     const int mr, const int np, int bf16, const int fmt) {
     __m512 acc[MR][NP];
     for (int i = 0; i < mr; i++)
         for (int p = 0; p < np; p++) acc[i][p] = _mm512_setzero_ps();
@@ -276,6 +345,59 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const u
         __m512i d[MR][NP];
         for (int i = 0; i < mr; i++)
             for (int p = 0; p < np; p++) d[i][p] = _mm512_setzero_si512();
+        if (fmt == FMT_Q6) {
+            const uint8_t *blk = w + b * Q6_BLOCK_BYTES;
+            const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x03);
+            __m512i top[NP][2], e[MR][NP]; /* d: the first halves' sums, e: the second's */
+            for (int p = 0; p < np; p++)
+                for (int h = 0; h < 2; h++)
+                    top[p][h] = _mm512_loadu_si512(blk + p * panel_stride + Q6_LOW + h * 64);
+            for (int i = 0; i < mr; i++)
+                for (int p = 0; p < np; p++) e[i][p] = _mm512_setzero_si512();
+            for (int j = 0; j < KB / 8; j++) {
+                __m512i lo[NP], hi[NP];
+                for (int p = 0; p < np; p++) {
+                    const __m512i v = _mm512_loadu_si512(blk + p * panel_stride + j * 64);
+                    const __m512i t0 = _mm512_and_si512(_mm512_srli_epi16(top[p][0], 2 * j), two);
+                    const __m512i t1 = _mm512_and_si512(_mm512_srli_epi16(top[p][1], 2 * j), two);
+                    lo[p] = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_slli_epi16(t0, 4));
+                    hi[p] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                            _mm512_slli_epi16(t1, 4));
+                }
+                for (int i = 0; i < mr; i++) {
+                    int32_t qa, qb;
+                    memcpy(&qa, xq + i * kp + b * KB + 4 * j, 4);
+                    memcpy(&qb, xq + i * kp + b * KB + 16 + 4 * j, 4);
+                    const __m512i xa = _mm512_set1_epi32(qa), xb = _mm512_set1_epi32(qb);
+                    for (int p = 0; p < np; p++) {
+                        d[i][p] = _mm512_dpbusd_epi32(d[i][p], lo[p], xa);
+                        e[i][p] = _mm512_dpbusd_epi32(e[i][p], hi[p], xb);
+                    }
+                }
+            }
+            __m512 wd[NP];
+            __m512i slo[NP], shi[NP];
+            for (int p = 0; p < np; p++) {
+                const uint8_t *sc = blk + p * panel_stride + Q6_SCALES;
+                wd[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+                slo[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 2 * NC)));
+                shi[p] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 3 * NC)));
+            }
+            for (int i = 0; i < mr; i++) {
+                const int32_t lo_sum = xlo[i * nb + b], hi_sum = xsum[i * nb + b] - lo_sum;
+                const __m512i clo = _mm512_set1_epi32(32 * lo_sum),
+                              chi = _mm512_set1_epi32(32 * hi_sum);
+                const __m512 s = _mm512_set1_ps(xs[i * nb + b]);
+                for (int p = 0; p < np; p++) {
+                    const __m512i isum = _mm512_add_epi32(
+                        _mm512_mullo_epi32(slo[p], _mm512_sub_epi32(d[i][p], clo)),
+                        _mm512_mullo_epi32(shi[p], _mm512_sub_epi32(e[i][p], chi)));
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_mul_ps(s, wd[p]), _mm512_cvtepi32_ps(isum),
+                                                acc[i][p]);
+                }
+            }
+            continue;
+        }
         if (fmt == FMT_Q4) {
             const uint8_t *blk = w + b * Q4_BLOCK_BYTES;
             const __m512i low = _mm512_set1_epi8(0x0f);
@@ -358,9 +480,9 @@ static inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 
 /* mr rows of quantized x against np panels, each panel as two halves of 8 columns. */
 static inline __attribute__((always_inline)) void
-tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const uint8_t *w,
-     int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols, const int mr,
-     const int np, int bf16, const int fmt) {
+tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo, int64_t nb,
+     const uint8_t *w, int64_t panel_stride, const void *bias, void *out, int64_t os, int ncols,
+     const int mr, const int np, int bf16, const int fmt) {
     __m256 acc[MR][NP * 2];
     for (int i = 0; i < mr; i++)
         for (int h = 0; h < 2 * np; h++) acc[i][h] = _mm256_setzero_ps();
@@ -369,6 +491,53 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const u
         __m256i d[MR][NP * 2];
         for (int i = 0; i < mr; i++)
             for (int h = 0; h < 2 * np; h++) d[i][h] = _mm256_setzero_si256();
+        if (fmt == FMT_Q6) {
+            const uint8_t *blk = w + b * Q6_BLOCK_BYTES;
+            const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+            for (int h = 0; h < 2 * np; h++) {
+                const uint8_t *half = blk + (h / 2) * panel_stride + (h % 2) * 32;
+                const __m256i top0 = _mm256_loadu_si256((const __m256i *)(half + Q6_LOW));
+                const __m256i top1 = _mm256_loadu_si256((const __m256i *)(half + Q6_LOW + 64));
+                __m256i e[MR]; /* d[i][h]: the first halves' sums, e: the second's */
+                for (int i = 0; i < mr; i++) e[i] = _mm256_setzero_si256();
+                for (int j = 0; j < KB / 8; j++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(half + j * 64));
+                    const __m256i t0 = _mm256_and_si256(_mm256_srli_epi16(top0, 2 * j), two);
+                    const __m256i t1 = _mm256_and_si256(_mm256_srli_epi16(top1, 2 * j), two);
+                    const __m256i lo =
+                        _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi16(t0, 4));
+                    const __m256i hi = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_slli_epi16(t1, 4));
+                    for (int i = 0; i < mr; i++) {
+                        int32_t qa, qb;
+                        memcpy(&qa, xq + i * kp + b * KB + 4 * j, 4);
+                        memcpy(&qb, xq + i * kp + b * KB + 16 + 4 * j, 4);
+                        d[i][h] = dot4(d[i][h], lo, _mm256_set1_epi32(qa));
+                        e[i] = dot4(e[i], hi, _mm256_set1_epi32(qb));
+                    }
+                }
+                /* this half's 8 columns: their d (float16), then their sc of each half of k */
+                const uint8_t *sc = blk + (h / 2) * panel_stride + Q6_SCALES;
+                const __m256 wd =
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (h % 2) * 16)));
+                const __m256i slo = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(sc + 2 * NC + (h % 2) * 8)));
+                const __m256i shi = _mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(sc + 3 * NC + (h % 2) * 8)));
+                for (int i = 0; i < mr; i++) {
+                    const int32_t lo_sum = xlo[i * nb + b], hi_sum = xsum[i * nb + b] - lo_sum;
+                    const __m256i isum = _mm256_add_epi32(
+                        _mm256_mullo_epi32(
+                            slo, _mm256_sub_epi32(d[i][h], _mm256_set1_epi32(32 * lo_sum))),
+                        _mm256_mullo_epi32(shi,
+                                           _mm256_sub_epi32(e[i], _mm256_set1_epi32(32 * hi_sum))));
+                    const __m256 s = _mm256_set1_ps(xs[i * nb + b]);
+                    acc[i][h] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(s, wd), _mm256_cvtepi32_ps(isum), acc[i][h]);
+                }
+            }
+            continue;
+        }
         if (fmt == FMT_Q4) {
             const uint8_t *blk = w + b * Q4_BLOCK_BYTES;
             const __m256i low = _mm256_set1_epi8(0x0f);
@@ -438,9 +607,9 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb, const u
 }
 #else
 /* The same sums without SIMD: each block's dot product in int32, then the same float steps. */
-static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
-                        const uint8_t *w, int64_t panel_stride, const void *bias, void *out,
-                        int64_t os, int ncols, const int mr, const int np, int bf16,
+static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo,
+                        int64_t nb, const uint8_t *w, int64_t panel_stride, const void *bias,
+                        void *out, int64_t os, int ncols, const int mr, const int np, int bf16,
                         const int fmt) {
     const int64_t kp = nb * KB;
     for (int i = 0; i < mr; i++) {
@@ -449,6 +618,32 @@ static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, 
             const int8_t *xr = xq + i * kp + b * KB;
             const float s = xs[i * nb + b];
             for (int p = 0; p < np; p++) {
+                if (fmt == FMT_Q6) {
+                    const uint8_t *blk = w + p * panel_stride + b * Q6_BLOCK_BYTES;
+                    const uint16_t *dd = (const uint16_t *)(blk + Q6_SCALES);
+                    const int8_t *ss = (const int8_t *)(dd + NC);
+                    const int32_t lo_sum = xlo[i * nb + b], hi_sum = xsum[i * nb + b] - lo_sum;
+                    int32_t dlo[NC] = {0}, dhi[NC] = {0};
+                    for (int j = 0; j < KB / 8; j++)
+                        for (int c = 0; c < NC; c++)
+                            for (int t = 0; t < 4; t++) {
+                                const int lane = 4 * c + t, shift = 2 * j;
+                                const uint8_t v = blk[j * 64 + lane];
+                                const uint8_t top0 = blk[Q6_LOW + lane],
+                                              top1 = blk[Q6_LOW + 64 + lane];
+                                const int q0 = (v & 0x0f) | (((top0 >> shift) & 3) << 4);
+                                const int q1 = (v >> 4) | (((top1 >> shift) & 3) << 4);
+                                dlo[c] += q0 * xr[4 * j + t];
+                                dhi[c] += q1 * xr[16 + 4 * j + t];
+                            }
+                    for (int c = 0; c < NC; c++) {
+                        const int32_t isum =
+                            ss[c] * (dlo[c] - 32 * lo_sum) + ss[NC + c] * (dhi[c] - 32 * hi_sum);
+                        acc[p * NC + c] =
+                            fmaf(s * f16_to_float(dd[c]), (float)isum, acc[p * NC + c]);
+                    }
+                    continue;
+                }
                 if (fmt == FMT_Q4) {
                     const uint8_t *blk = w + p * panel_stride + b * Q4_BLOCK_BYTES;
                     const uint16_t *dd = (const uint16_t *)(blk + KB * NC / 2), *mm = dd + NC;
@@ -485,15 +680,20 @@ static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, 
 #endif
 
 /* A tile with mr and np made constants, so its sums stay in registers. */
-static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t nb,
-                    const uint8_t *w, int64_t panel_stride, const void *bias, void *out, int64_t os,
-                    int ncols, int mr, int np, int bf16, int fmt) {
+static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo,
+                    int64_t nb, const uint8_t *w, int64_t panel_stride, const void *bias, void *out,
+                    int64_t os, int ncols, int mr, int np, int bf16, int fmt) {
 #define T(R, P)                                                                                    \
     if (mr == (R) && np == (P)) {                                                                  \
         if (fmt == FMT_Q4)                                                                         \
-            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q4);     \
+            tile(xq, xs, xsum, xlo, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16,         \
+                 FMT_Q4);                                                                          \
+        else if (fmt == FMT_Q6)                                                                    \
+            tile(xq, xs, xsum, xlo, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16,         \
+                 FMT_Q6);                                                                          \
         else                                                                                       \
-            tile(xq, xs, xsum, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16, FMT_Q8);     \
+            tile(xq, xs, xsum, xlo, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16,         \
+                 FMT_Q8);                                                                          \
         return;                                                                                    \
     }
     T(1, 1) T(2, 1) T(3, 1) T(4, 1) T(1, 2) T(2, 2) T(3, 2) T(4, 2)
@@ -504,13 +704,13 @@ static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, int6
 int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed,
                              const void *bias, void *out, int64_t out_stride, int64_t M, int64_t N,
                              int64_t K, int bf16, int fmt, int num_threads) {
-    if (M < 0 || N < 0 || K < 1 || (fmt != FMT_Q8 && fmt != FMT_Q4)) return -2;
+    if (M < 0 || N < 0 || K < 1 || (fmt != FMT_Q8 && fmt != FMT_Q4 && fmt != FMT_Q6)) return -2;
     if (M == 0 || N == 0) return 0;
     if (num_threads < 1) num_threads = 1;
     const int64_t nb = blocks_of(K), kp = nb * KB, P = panels_of(N), elem = bf16 ? 2 : 4;
     int8_t *xq = malloc((size_t)(M * kp));
     float *xs = malloc((size_t)(M * nb) * sizeof(float));
-    int32_t *xsum = malloc((size_t)(M * nb) * sizeof(int32_t));
+    int32_t *xsum = malloc((size_t)(2 * M * nb) * sizeof(int32_t)), *xlo = xsum + M * nb;
     if (xq == NULL || xs == NULL || xsum == NULL) {
         free(xq), free(xs), free(xsum);
         return -1;
@@ -518,7 +718,7 @@ int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *pac
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K > 65536)
     for (int64_t m = 0; m < M; m++)
         quantize_row((const char *)x + m * x_stride * elem, K, nb, bf16, xq + m * kp, xs + m * nb,
-                     xsum + m * nb);
+                     xsum + m * nb, xlo + m * nb);
 
     /* Tiles of two panels share each x broadcast, which pays where a tile has several rows; with
      * a few rows (decode) one panel a tile is faster (measured: ~9 % at SmolLM2's shapes, one row:
@@ -541,8 +741,9 @@ int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *pac
                 const int ncols = N - n < NC * np ? (int)(N - n) : NC * np;
                 for (int64_t m = bm * BLOCK_M; m < m1; m += MR) {
                     const int mr = m1 - m < MR ? (int)(m1 - m) : MR;
-                    tile_of(xq + m * kp, xs + m * nb, xsum + m * nb, nb, packed + p * panel_stride,
-                            panel_stride, bias == NULL ? NULL : (const char *)bias + n * elem,
+                    tile_of(xq + m * kp, xs + m * nb, xsum + m * nb, xlo + m * nb, nb,
+                            packed + p * panel_stride, panel_stride,
+                            bias == NULL ? NULL : (const char *)bias + n * elem,
                             (char *)out + (m * out_stride + n) * elem, out_stride, ncols, mr, np,
                             bf16, fmt);
                 }

@@ -1,14 +1,18 @@
 """x @ W.T (+ bias) for quantized weights multiplied as stored (`block_int8_linear.c`): codes in
 blocks of 32 along K, activations quantized to int8 per block of 32 in the call, each block's dot
 product exact in int32 (AVX512-VNNI or AVX2 where the CPU has them, the same bits without); no
-float copy of the weights is ever made. Two weight formats, GGUF's:
+float copy of the weights is ever made. Three weight formats, GGUF's:
 
 - int8 (Q8_0): w = d * q, q in -127..127, one float16 d a block: 8.5 bits a weight;
-- int4 (Q4_1): w = d * q + m, q in 0..15, float16 d and m a block: 5 bits a weight.
+- int4 (Q4_1): w = d * q + m, q in 0..15, float16 d and m a block: 5 bits a weight;
+- 6-bit (Q6_K): w = d * sc * (q - 32), q in 0..63, an int8 sc each 16 values and a float16 d each
+  256 (packed: 7 bits a weight). Read from a file as stored (`loader.gguf_blocks.Q6Blocks`), never
+  made by quantizing here.
 
     codes, scales = quantize_blocks(weight)    # [N, K] float -> int8 [N, Kp], float16 [N, Kp/32]
     packed = pack_blocks(codes, scales, k)     # panels of 16 columns, as the kernel reads them
     packed4 = pack_q4_blocks(*quantize_q4_blocks(weight), k)
+    packed6 = pack_q6_blocks(codes6, d, sc, k) # a Q6_K tensor's own codes and scales
     y = block_int8_linear(x, packed, bias)     # either format
 
 Kp is K rounded up to a multiple of 32 (the extra codes are zero).
@@ -34,11 +38,12 @@ class BlockInt8Weight:
     data: torch.Tensor  # uint8, the packed panels
     n: int
     k: int
-    fmt: int = 0  # FMT_Q8 or FMT_Q4, as the C kernel numbers them
+    fmt: int = 0  # FMT_Q8, FMT_Q4 or FMT_Q6, as the C kernel numbers them
 
 
-FMT_Q8, FMT_Q4 = 0, 1
+FMT_Q8, FMT_Q4, FMT_Q6 = 0, 1, 3
 Q4_MAX = 15
+Q6_MAX = 63
 
 
 def blocks_of(k: int) -> int:
@@ -142,6 +147,34 @@ def pack_q4_blocks(
     return BlockInt8Weight(data, n, k, FMT_Q4)
 
 
+def pack_q6_blocks(
+    codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, k: int
+) -> BlockInt8Weight:
+    """6-bit codes uint8 [N, Kp] (0..63, w = d sc (q - 32)), d float16 [N, Kp / 32] (each block's
+    super-block's) and sc int8 [N, Kp / 16] packed for the kernel."""
+    n = codes.shape[0]
+    nb = blocks_of(k)
+    if codes.dtype != torch.uint8 or codes.shape != (n, nb * BLOCK) or k < 1:
+        raise ValueError(f"codes: uint8 [N, {nb * BLOCK}] expected, got {tuple(codes.shape)}")
+    if d.dtype != torch.float16 or d.shape != (n, nb):
+        raise ValueError(f"d: float16 [{n}, {nb}] expected, got {tuple(d.shape)}")
+    if sc.dtype != torch.int8 or sc.shape != (n, 2 * nb):
+        raise ValueError(f"sc: int8 [{n}, {2 * nb}] expected, got {tuple(sc.shape)}")
+    lib = require_library()
+    data = torch.empty(lib.sluice_block_q6_packed_bytes(n, k), dtype=torch.uint8)
+    c, dd, ss = codes.contiguous(), d.contiguous(), sc.contiguous()
+    lib.sluice_block_q6_pack(c.data_ptr(), dd.data_ptr(), ss.data_ptr(), n, k, data.data_ptr())
+    return BlockInt8Weight(data, n, k, FMT_Q6)
+
+
+def dequantize_q6_blocks(codes, d, sc, k: int) -> torch.Tensor:
+    """The float32 [N, K] weight that 6-bit codes with their scales stand for."""
+    n = codes.shape[0]
+    q = codes.to(torch.int32).view(n, -1, BLOCK // 2) - 32
+    w = (q * sc.to(torch.int32).unsqueeze(2)).view(n, -1, BLOCK).to(torch.float32)
+    return (w * d.to(torch.float32).unsqueeze(2)).view(n, -1)[:, :k]
+
+
 def pack_blocks(codes: torch.Tensor, scales: torch.Tensor, k: int) -> BlockInt8Weight:
     """Codes int8 [N, Kp] and scales float16 [N, Kp / 32] (`quantize_blocks`, or a GGUF Q8_0
     tensor's own) packed for the kernel."""
@@ -161,10 +194,8 @@ def pack_blocks(codes: torch.Tensor, scales: torch.Tensor, k: int) -> BlockInt8W
 
 
 def block_int8_rows(weight: BlockInt8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of an int8 weight, dequantized, [len(ids), K] in `dtype` (float32 or bfloat16):
-    an embedding lookup on the packed matrix of a tied LM head."""
-    if weight.fmt != FMT_Q8:
-        raise ValueError("rows are read from int8 weights only")
+    """Rows `ids` of a packed weight (any format), dequantized, [len(ids), K] in `dtype` (float32
+    or bfloat16): an embedding lookup on the packed matrix of a tied LM head."""
     if dtype not in DTYPES:
         raise ValueError(f"float32 or bfloat16 rows only, not {dtype}")
     flat = ids.reshape(-1).to(torch.int64).contiguous()
@@ -173,6 +204,7 @@ def block_int8_rows(weight: BlockInt8Weight, ids: torch.Tensor, dtype: torch.dty
         weight.data.data_ptr(),
         weight.n,
         weight.k,
+        weight.fmt,
         flat.data_ptr(),
         flat.numel(),
         out.data_ptr(),
@@ -185,7 +217,8 @@ def block_int8_rows(weight: BlockInt8Weight, ids: torch.Tensor, dtype: torch.dty
 
 def widen_blocks(weight: BlockInt8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The whole weight dequantized, [N, K] in `dtype` (float32 or bfloat16): the values its codes
-    stand for (`dequantize_blocks`, `dequantize_q4_blocks`), bfloat16 rounded once. For a step with
+    stand for (`dequantize_blocks`, `dequantize_q4_blocks`, `dequantize_q6_blocks`), bfloat16
+    rounded once. For a step with
     enough rows that a float matmul on this copy beats `block_int8_linear` (`NativeOps`)."""
     if dtype not in DTYPES:
         raise ValueError(f"float32 or bfloat16 only, not {dtype}")

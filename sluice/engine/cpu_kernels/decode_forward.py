@@ -51,9 +51,9 @@ class _Embedding(ctypes.Structure):
 @dataclass(frozen=True)
 class EmbeddingRows:
     """The token table as the C call reads it: `kind` one of EMBED_*; `data` the rows in the
-    model's type, a packed int8 head's blocks, int8 codes, or a GGUF tensor's bytes; `scales`
+    model's type, a packed head's blocks, int8 codes, or a GGUF tensor's bytes; `scales`
     float32, one a row (int8 codes only); `vocab` rows; `file_type` GGML's number of the GGUF
-    tensor's type (EMBED_FILE only)."""
+    tensor's type (EMBED_FILE), or the packed head's block format (EMBED_BLOCKS)."""
 
     kind: int
     data: torch.Tensor

@@ -53,6 +53,7 @@ int sluice_paged_prefill(const void *q, int64_t q_stride, void *out, int64_t out
 #define W_Q8 0          /* block_int8_linear, fmt 0 */
 #define W_Q4 1          /* block_int8_linear, fmt 1 */
 #define W_FIXED_ORDER 2 /* fixed_order_linear */
+#define W_Q6 3          /* block_int8_linear, fmt 3 */
 
 typedef struct {
     const void *data, *bias; /* bias NULL: none */
@@ -165,14 +166,14 @@ int sluice_decoder_layers(const sluice_layer *layers, int num_layers, const slui
     return rc;
 }
 
-int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, const int64_t *ids,
+int sluice_block_int8_rows(const uint8_t *packed, int64_t N, int64_t K, int fmt, const int64_t *ids,
                            int64_t T, void *out, int bf16);
 int sluice_gguf_rows(const uint8_t *raw, int type, int64_t N, int64_t K, const int64_t *ids,
                      int64_t T, float *out);
 
 /* Where a step's token embeddings come from. */
 #define EMBED_TABLE 0     /* a [vocab, H] table in the activations' type: rows copied */
-#define EMBED_BLOCKS 1    /* a tied LM head's packed int8 [vocab, H] matrix: rows dequantized */
+#define EMBED_BLOCKS 1    /* a tied LM head's packed [vocab, H] blocks: rows dequantized */
 #define EMBED_ROWS_INT8 2 /* int8 codes [vocab, H] and a float32 scale a row (`Int8Embedding`) */
 #define EMBED_FILE 3      /* a GGUF tensor's own blocks (`FileEmbedding`): rows decoded */
 
@@ -180,7 +181,8 @@ typedef struct {
     const void *data;
     const float *scales; /* EMBED_ROWS_INT8's */
     int64_t vocab, kind;
-    int64_t file_type; /* EMBED_FILE's: GGML's number of the tensor's type */
+    int64_t file_type; /* EMBED_FILE's: GGML's number of the tensor's type; EMBED_BLOCKS's: the
+                        * blocks' format (block_int8_linear's fmt) */
 } sluice_embedding;
 
 /* Rows of an EMBED_FILE table into x in the activations' type: decoded to float32 (gguf_to_blocks.c)
@@ -233,7 +235,8 @@ int sluice_decode_forward(const sluice_layer *layers, int num_layers, const slui
     float *cos = (float *)(res + T * H * elem), *sin = cos + T * half;
     int rc = 0;
     if (embed->kind == EMBED_BLOCKS) {
-        if (sluice_block_int8_rows(embed->data, embed->vocab, H, ids, T, x, step->bf16) != 0)
+        if (sluice_block_int8_rows(embed->data, embed->vocab, H, (int)embed->file_type, ids, T, x,
+                                   step->bf16) != 0)
             rc = -3;
     } else if (embed->kind == EMBED_FILE) {
         rc = file_rows(embed, ids, T, H, step->bf16, x);

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..paged_cache import LayerKVCache
     from ..step_plan import StepPlan
 
-W_FIXED_ORDER = 2  # decoder_layers.c's weight kinds; block weights use their own fmt (0 or 1)
+W_FIXED_ORDER = 2  # decoder_layers.c's weight kinds; block weights use their own fmt (0, 1 or 3)
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 

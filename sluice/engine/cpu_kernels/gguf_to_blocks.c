@@ -18,6 +18,9 @@
  * and m (w = d q + m), as `loader/gguf_blocks.int4_blocks` does with numpy: Q4_1's as stored,
  * Q4_0's m = -8 d, Q4_K's d sc and -(dmin mn) (float32 products, exact; rounded to float16 by the
  * caller).
+ *
+ * `sluice_gguf_to_q6_blocks` reads a Q6_K tensor's own codes (0..63), int8 scales and float16 d,
+ * for `block_int8_linear.c`'s 6-bit format: the file's values, not quantized again.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <math.h>
@@ -271,6 +274,36 @@ int sluice_gguf_to_int4_blocks(const uint8_t *raw, int type, int64_t rows, int64
             }
         }
     }
+    return 0;
+}
+
+/* rows x K values of Q6_K -> codes uint8 [rows, K] in 0..63 (w = d sc (q - 32)), d as float16
+ * bits [rows, K / 32] (each block of 32 its super-block's) and sc int8 [rows, K / 16]. Returns -1
+ * for a K it cannot read, else 0. */
+int sluice_gguf_to_q6_blocks(const uint8_t *raw, int64_t rows, int64_t K, uint8_t *codes,
+                             uint16_t *d_out, int8_t *sc_out, int num_threads) {
+    if (K % 256 != 0) return -1;
+    const int64_t row_bytes = sluice_gguf_row_bytes(T_Q6_K, K), units = K / 256;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t u = 0; u < units; u++) {
+            const uint8_t *blk = raw + r * row_bytes + 210 * u;
+            uint8_t *q = codes + r * K + 256 * u;
+            uint16_t d;
+            memcpy(&d, blk + 208, 2);
+            for (int b = 0; b < 8; b++) d_out[r * (K / KB) + 8 * u + b] = d;
+            memcpy(sc_out + r * (K / 16) + 16 * u, blk + 192, 16);
+            for (int half = 0; half < 2; half++) { /* as decode_unit reads them */
+                const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+                uint8_t *y = q + 128 * half;
+                for (int l = 0; l < 32; l++) {
+                    y[l] = (uint8_t)((ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4));
+                    y[l + 32] = (uint8_t)((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4));
+                    y[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                    y[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+                }
+            }
+        }
     return 0;
 }
 

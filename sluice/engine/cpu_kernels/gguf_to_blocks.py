@@ -5,11 +5,12 @@ Q4_0 and Q4_1 decoded and quantized by GGUF's Q8_0 rule with the bits of
 
     codes, scales = gguf_int8_blocks(raw, "Q6_K", (n, k))   # int8 [N, K], float16 [N, K / 32]
     codes, d, m = gguf_int4_blocks(raw, "Q4_K", (n, k))     # uint8 0..15, float16, float16
+    codes, d, sc = gguf_q6_blocks(raw, (n, k))               # uint8 0..63, float16, int8
 
 `gguf_rows(raw, type_name, shape, ids)` decodes some rows of such a tensor to float32 (an
 embedding looked up in the file's own blocks). `gguf_int4_blocks` gives the 4-bit types' own
 blocks, as `loader.gguf_blocks.int4_blocks` does with numpy (the same values; that one also serves
-where the native code is not built).
+where the native code is not built), `gguf_q6_blocks` Q6_K's own (the kernel's 6-bit format).
 """
 
 from __future__ import annotations
@@ -77,6 +78,30 @@ def gguf_int4_blocks(
     if rc != 0:
         raise ValueError(f"K = {k} does not split into {type_name} blocks")
     return codes, d.to(torch.float16), m.to(torch.float16)
+
+
+def gguf_q6_blocks(
+    raw: np.ndarray, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [N, K] Q6_K tensor as its codes uint8 [N, K] (0..63), d float16 [N, K / 32] (each block
+    of 32 its super-block's) and sc int8 [N, K / 16]: w = d sc (q - 32)."""
+    data = _bytes_of(raw, "Q6_K", shape, ("Q6_K",))
+    n, k = shape
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    d = torch.empty(n, k // BLOCK, dtype=torch.float16)
+    sc = torch.empty(n, k // 16, dtype=torch.int8)
+    rc = require_library().sluice_gguf_to_q6_blocks(
+        data.ctypes.data,
+        n,
+        k,
+        codes.data_ptr(),
+        d.data_ptr(),
+        sc.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"K = {k} does not split into Q6_K blocks")
+    return codes, d, sc
 
 
 def gguf_rows(

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +21,10 @@ from .gguf_blocks import (
     FLOAT_TYPES,
     FOUR_BIT_TYPES,
     Int4Blocks,
-    Int8Blocks,
     StoredProjections,
     StoredRows,
+    WideBlocks,
+    stacked,
 )
 from .lazy_tensors import tensor_dtypes
 from .loaded import LoadedModel
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
     from ..kernel_ops.base import KernelOps
     from ..model import CausalLM
     from ..tokenizer import Tokenizer
-
-
-Blocks = TypeVar("Blocks", Int4Blocks, Int8Blocks)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -118,7 +116,7 @@ def build_model(
     ops: KernelOps | None = None,
     source: str = "state dict",
     int4_blocks: Mapping[str, Int4Blocks] | None = None,
-    int8_blocks: Mapping[str, Int8Blocks] | None = None,
+    int8_blocks: Mapping[str, WideBlocks] | None = None,
     stored_rows: Mapping[str, StoredRows] | None = None,
     stored_types: Mapping[str, str] | None = None,
     take_tensors: bool = False,
@@ -165,7 +163,7 @@ def build_model(
 def _stored_projections(
     config: ModelConfig,
     int4: Mapping[str, Int4Blocks],
-    int8: Mapping[str, Int8Blocks],
+    int8: Mapping[str, WideBlocks],
     rows: Mapping[str, StoredRows],
     types: Mapping[str, str],
 ) -> StoredProjections:
@@ -195,8 +193,8 @@ def _stored_projections(
     return out
 
 
-def _stacked_blocks(blocks: Mapping[str, Blocks], names: list[str]) -> Blocks:
-    return type(blocks[names[0]]).concat([blocks[name] for name in names])
+def _stacked_blocks(blocks: Mapping[str, Any], names: list[str]) -> Any:
+    return stacked([blocks[name] for name in names])
 
 
 def _quantized_from(tensors: Mapping[str, torch.Tensor], target: torch.dtype) -> torch.dtype:

@@ -21,9 +21,23 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
-from ..cpu_kernels.gguf_to_blocks import INT8_TYPES, gguf_int4_blocks, gguf_int8_blocks
+from ..cpu_kernels.gguf_to_blocks import (
+    INT8_TYPES,
+    gguf_int4_blocks,
+    gguf_int8_blocks,
+    gguf_q6_blocks,
+)
 from ..errors import ModelError
-from .gguf_blocks import FOUR_BIT_TYPES, Int4Blocks, Int8Blocks, StoredRows, int4_blocks
+from .gguf_blocks import (
+    FOUR_BIT_TYPES,
+    Int4Blocks,
+    Int8Blocks,
+    Q6Blocks,
+    StoredRows,
+    WideBlocks,
+    _Blocks,
+    int4_blocks,
+)
 from .lazy_tensors import LazyMapping, LazyTensors, SharedRead
 from .tensor_names import check_tensors, stored_parts
 
@@ -374,7 +388,7 @@ def _qk_heads(name: str, config: ModelConfig, gguf_arch: str) -> int | None:
     return None
 
 
-Blocks = TypeVar("Blocks", Int4Blocks, Int8Blocks)
+Blocks = TypeVar("Blocks", bound=_Blocks)
 
 
 def _read_blocks(
@@ -420,7 +434,11 @@ def int4_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> I
     return Int4Blocks(*gguf_int4_blocks(raw, type_name, shape))
 
 
-def int8_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int8Blocks:
+def int8_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> WideBlocks:
+    """A matrix stored wider than 4 bits as the kernels read it: Q6_K's own blocks, the other
+    types' as int8 blocks."""
+    if type_name == "Q6_K":
+        return Q6Blocks(*gguf_q6_blocks(raw, shape))
     return Int8Blocks(*gguf_int8_blocks(raw, type_name, shape))
 
 
@@ -456,7 +474,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
 
     tensors, types = LazyTensors(), {}
     blocks: LazyMapping[Int4Blocks] = LazyMapping()
-    int8: LazyMapping[Int8Blocks] = LazyMapping()
+    int8: LazyMapping[WideBlocks] = LazyMapping()
     rows: dict[str, StoredRows] = {}
     for t in reader.tensors:
         name = hf_name(t.name, gguf_arch)
@@ -476,7 +494,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
         read_int4: Callable[[], Int4Blocks] = partial(
             _read_blocks, int4_blocks_of, t, name, config, gguf_arch
         )
-        read_int8: Callable[[], Int8Blocks] = partial(
+        read_int8: Callable[[], WideBlocks] = partial(
             _read_blocks, int8_blocks_of, t, name, config, gguf_arch
         )
         if len(parts) > 1:  # each part's read takes its rows of one read of the whole

@@ -9,8 +9,9 @@ codes are the file's own, not found again from the values.
   quantization step, where quantizing the values again could move a block onto another grid).
 
 Int8 blocks (`Int8Blocks`) are read by the native code (`cpu_kernels.gguf_to_blocks`): Q8_0's and
-Q5_0's own codes, the other types' values quantized again (Q6_K's 16-value sub-blocks land on a
-finer grid than theirs).
+Q5_0's own codes, the other types' values quantized again. Q6_K's blocks are read as stored
+(`Q6Blocks`: the kernels' 6-bit format), and quantized again to int8 blocks only where a projection
+stacks such a matrix with others stored otherwise (`stacked`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,36 @@ class Int8Blocks(_Blocks):
 
     codes: torch.Tensor  # int8 [N, K], -127..127
     d: torch.Tensor  # float16 [N, K / 32]
+
+
+@dataclass
+class Q6Blocks(_Blocks):
+    """A [N, K] matrix as GGUF's Q6_K stores it (K a multiple of 256): w = d sc (q - 32), a 6-bit
+    code q, an int8 sc each 16 values and a float16 d each 256 (given here for each block of 32,
+    so that every field has a row per matrix row)."""
+
+    codes: torch.Tensor  # uint8 [N, K], 0..63
+    d: torch.Tensor  # float16 [N, K / 32]
+    sc: torch.Tensor  # int8 [N, K / 16]
+
+    def as_int8(self) -> Int8Blocks:
+        """The matrix as int8 blocks, its values quantized again by the Q8_0 rule."""
+        from ..cpu_kernels.block_int8_linear import dequantize_q6_blocks, quantize_blocks
+
+        k = self.codes.shape[1]
+        return Int8Blocks(*quantize_blocks(dequantize_q6_blocks(self.codes, self.d, self.sc, k)))
+
+
+# A matrix a file stores wider than 4 bits, as the native kernels read it
+WideBlocks = Int8Blocks | Q6Blocks
+
+
+def stacked(parts: list[WideBlocks]) -> WideBlocks:
+    """Matrices stacked by rows (a fused projection's parts): as stored where they share a form,
+    else every part as int8 blocks (a Q6_K matrix beside int8 ones)."""
+    if len({type(p) for p in parts}) > 1:
+        parts = [p.as_int8() if isinstance(p, Q6Blocks) else p for p in parts]
+    return type(parts[0]).concat(parts)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -145,14 +176,14 @@ class StoredRows:
 class StoredProjections:
     """How a file stores a model's matrices, each read from it when the model builder asks for
     it. By (layer index, projection name as `weight_transforms.PROJECTIONS`): the 4-bit blocks of
-    a projection whose matrices are all stored in 4 bits; the int8 blocks of one whose matrices
-    can all be read as int8 blocks (`gguf_to_blocks`); which have a matrix stored in more than 4
-    bits (Q5_*, Q6_K, Q8_0: int4 weights keep those in int8). And the int8 blocks of the LM head
-    (the embedding's, when tied), and an untied embedding as the file stores it, where the
-    file's types read so."""
+    a projection whose matrices are all stored in 4 bits; the int8 (or Q6_K) blocks of one whose
+    matrices can all be read so (`gguf_to_blocks`); which have a matrix stored in more than 4
+    bits (Q5_*, Q6_K, Q8_0: int4 weights keep those wider). And the LM head's blocks (the
+    embedding's, when tied), and an untied embedding as the file stores it, where the file's
+    types read so."""
 
     int4: dict[tuple[int, str], Callable[[], Int4Blocks]] = field(default_factory=dict)
-    int8: dict[tuple[int, str], Callable[[], Int8Blocks]] = field(default_factory=dict)
+    int8: dict[tuple[int, str], Callable[[], WideBlocks]] = field(default_factory=dict)
     wider: set[tuple[int, str]] = field(default_factory=set)
-    head: Callable[[], Int8Blocks] | None = None
+    head: Callable[[], WideBlocks] | None = None
     embed: Callable[[], StoredRows] | None = None  # untied only

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ModelConfig
-from .gguf_blocks import FLOAT_TYPES, Int4Blocks, Int8Blocks, StoredRows
+from .gguf_blocks import FLOAT_TYPES, Int4Blocks, StoredRows, WideBlocks
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
@@ -29,7 +29,7 @@ class LoadedModel:
     int4_blocks: Mapping[str, Int4Blocks] = field(default_factory=dict)
     # every matrix of a type the native code reads as int8 blocks (`gguf_to_blocks`), by HF name:
     # int8 weights are built from these without a float copy
-    int8_blocks: Mapping[str, Int8Blocks] = field(default_factory=dict)
+    int8_blocks: Mapping[str, WideBlocks] = field(default_factory=dict)
     # the embedding as the file stores it, where its type is one of those (rows looked up in it)
     stored_rows: Mapping[str, StoredRows] = field(default_factory=dict)
     # the GGUF type of each layer matrix, by HF name (empty for other files)

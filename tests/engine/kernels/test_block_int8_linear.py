@@ -1,7 +1,7 @@
 """Quantized weights multiplied as stored (`cpu_kernels.block_int8_linear`): blocks of 32 codes
-along K, int8 with float16 scales (Q8_0) or 4-bit with float16 scales and minimums (Q4_1),
-activations quantized per block of 32 in the call, exact int32 block dot products (VNNI where the
-CPU has it).
+along K, int8 with float16 scales (Q8_0), 4-bit with float16 scales and minimums (Q4_1), or 6-bit
+with an int8 scale each 16 and a float16 one each 256 (Q6_K), activations quantized per block of
+32 in the call, exact int32 block dot products (VNNI where the CPU has it).
 
 Checked against float64 two ways: with the activations quantized as the kernel's contract says
 (then only float32 roundoff may differ), and against the unquantized product, within the bound the
@@ -21,9 +21,11 @@ from sluice.engine.cpu_kernels.block_int8_linear import (
     block_int8_rows,
     dequantize_blocks,
     dequantize_q4_blocks,
+    dequantize_q6_blocks,
     dot_path,
     pack_blocks,
     pack_q4_blocks,
+    pack_q6_blocks,
     quantize_blocks,
     quantize_q4_blocks,
     widen_blocks,
@@ -114,6 +116,64 @@ def check_q4(n, k, dtype, rows=300):
     return got
 
 
+def q6_operands(n: int, k: int, seed: int = 0):
+    """6-bit codes as a Q6_K file holds them (no quantizer here makes them): random codes, every
+    int8 scale, float16 d of varied size and sign; one block at the extremes (every code 0, i.e.
+    -32, with sc -128: the largest sums the kernel's int32 and float32 conversion must hold) and a
+    super-block whose d is 0. Codes past K are 32 (zeros)."""
+    g = torch.Generator().manual_seed(seed + 7 * n + k)
+    nb = -(-k // BLOCK)
+    codes = torch.randint(0, 64, (n, nb * BLOCK), generator=g, dtype=torch.uint8)
+    codes[:, k:] = 32
+    sc = torch.randint(-128, 128, (n, 2 * nb), generator=g, dtype=torch.int8)
+    d = (torch.randn(n, -(-nb // 8), generator=g) * 1e-3).half().repeat_interleave(8, dim=1)[:, :nb]
+    codes[-1, :BLOCK], sc[-1, :2] = 0, -128
+    d[0, :8] = 0
+    return codes, d.contiguous(), sc
+
+
+def reference_q6(x, codes, d, sc, bias):
+    """The 6-bit contract in float64: per block, (xs * d) * isum with isum the exact integer sum of
+    sc * (q - 32) * xq over the block's two halves, xs * d as float32 computes it; and the terms'
+    magnitudes."""
+    xq, xs = quantized_activations(x)
+    rows, n, nb = x.shape[0], codes.shape[0], codes.shape[1] // BLOCK
+    w = (codes.double() - 32).view(n, 2 * nb, BLOCK // 2) * sc.double().unsqueeze(2)
+    isum = torch.einsum("mbt,nbt->mnb", xq.double(), w.view(n, nb, BLOCK))  # exact integers
+    assert isum.abs().max() < 2**24  # so the kernel's float32 conversion of it is exact
+    scale = (xs.view(rows, 1, nb).float() * d.float().view(1, n, nb)).double()
+    terms = scale * isum
+    b = bias.double()
+    return terms.sum(dim=2) + b, terms.abs().sum(dim=2) + b.abs()
+
+
+def check_q6(n, k, dtype, rows=300):
+    x, _, b = _data(n, k, dtype, rows=rows)
+    x[0, : min(k, BLOCK)] = -3.0  # with the extreme block: every code -127
+    codes, d, sc = q6_operands(n, k)
+    got = block_int8_linear(x, pack_q6_blocks(codes, d, sc, k), b)
+    assert got.dtype == dtype and got.shape == (x.shape[0], n)
+    want, magnitude = reference_q6(x, codes, d, sc, b)
+    nb = -(-k // BLOCK)
+    tol = (nb + 2) * 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    assert ((got.double() - want).abs() <= tol * magnitude + 1e-30).all()
+    return got
+
+
+def packed_weight(w: torch.Tensor, bits: int):
+    """w quantized and packed in `bits` (8, 4), or a 6-bit weight of its shape (`q6_operands`):
+    (the packed weight, the values it stands for)."""
+    n, k = w.shape
+    if bits == 8:
+        codes, scales = quantize_blocks(w)
+        return pack_blocks(codes, scales, k), dequantize_blocks(codes, scales, k)
+    if bits == 4:
+        codes, d, m = quantize_q4_blocks(w)
+        return pack_q4_blocks(codes, d, m, k), dequantize_q4_blocks(codes, d, m, k)
+    codes, d, sc = q6_operands(n, k)
+    return pack_q6_blocks(codes, d, sc, k), dequantize_q6_blocks(codes, d, sc, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_matches_float64_on_the_quantized_operands(n, k, dtype):
@@ -124,6 +184,21 @@ def test_matches_float64_on_the_quantized_operands(n, k, dtype):
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_4_bit_weights_match_float64_on_the_quantized_operands(n, k, dtype):
     check_q4(n, k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_6_bit_weights_match_float64_on_the_stored_operands(n, k, dtype):
+    check_q6(n, k, dtype)
+
+
+def test_6_bit_values_are_those_of_the_codes_exactly():
+    """d sc (q - 32) is exact in float32 (|sc (q - 32)| <= 4096 times a float16), so the values
+    the kernel stands for are the file's, as float64 computes them."""
+    codes, d, sc = q6_operands(33, 256)
+    want = (codes.double() - 32).view(33, -1, 16) * sc.double().unsqueeze(2)
+    want = want.view(33, -1, BLOCK) * d.double().unsqueeze(2)
+    assert torch.equal(dequantize_q6_blocks(codes, d, sc, 256).double(), want.view(33, 256))
 
 
 def test_quantize_q4_blocks_gives_the_weights_of_a_gguf_q4_1_tensor():
@@ -189,15 +264,12 @@ def test_quantize_blocks_gives_the_codes_and_scales_of_a_gguf_q8_0_tensor():
     assert torch.equal(codes, want_codes)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_row_gets_the_same_bits_with_any_rows_beside_it(n, k, dtype, bits):
     x, w, b = _data(n, k, dtype)
-    if bits == 8:
-        packed = pack_blocks(*quantize_blocks(w), k)
-    else:
-        packed = pack_q4_blocks(*quantize_q4_blocks(w), k)
+    packed, _ = packed_weight(w, bits)
     alone = torch.cat([block_int8_linear(x[i : i + 1], packed, b) for i in range(x.shape[0])])
     for m in ROWS:
         for start in (0, 300 - m):
@@ -220,16 +292,15 @@ def test_the_thread_count_changes_no_bit():
         assert torch.equal(many, results[0][0]) and torch.equal(one, results[0][1])
 
 
+@pytest.mark.parametrize("bits", [8, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_read_back_from_the_packed_matrix_are_the_dequantized_weight(dtype):
-    _, w, _ = _data(131, 201, dtype)
-    codes, scales = quantize_blocks(w)
-    packed = pack_blocks(codes, scales, 201)
+def test_rows_read_back_from_the_packed_matrix_are_the_dequantized_weight(dtype, bits):
+    _, w, _ = _data(131, 201, torch.float32)
+    packed, values = packed_weight(w, bits)
     ids = torch.tensor([[0, 130, 17], [16, 15, 64]])
     got = block_int8_rows(packed, ids, dtype)
     assert got.shape == (2, 3, 201) and got.dtype == dtype
-    want = dequantize_blocks(codes, scales, 201)[ids.reshape(-1)].to(dtype).view(2, 3, 201)
-    assert torch.equal(got, want)
+    assert torch.equal(got, values[ids.reshape(-1)].to(dtype).view(2, 3, 201))
     with pytest.raises(IndexError):
         block_int8_rows(packed, torch.tensor([131]), dtype)
 
@@ -249,7 +320,7 @@ def test_builds_without_the_faster_instructions_give_the_same_bits(
         (shape, dtype, fn): fn(*shape, dtype, rows=40)
         for shape in SHAPES
         for dtype in (torch.float32, torch.bfloat16)
-        for fn in (check, check_q4)
+        for fn in (check, check_q4, check_q6)
     }
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
@@ -279,23 +350,21 @@ def test_rejects_mismatched_operands():
         pack_q4_blocks(codes4.to(torch.int8), d, m, 8)
     with pytest.raises(ValueError, match="m: float16"):
         pack_q4_blocks(codes4, d, m.float(), 8)
-    with pytest.raises(ValueError, match="int8 weights only"):
-        block_int8_rows(pack_q4_blocks(codes4, d, m, 8), torch.tensor([0]), torch.float32)
+    codes6, d6, sc6 = q6_operands(3, 8)
+    with pytest.raises(ValueError, match="sc: int8"):
+        pack_q6_blocks(codes6, d6, sc6[:, :1], 8)
+    with pytest.raises(ValueError, match="codes"):
+        pack_q6_blocks(codes6.to(torch.int8), d6, sc6, 8)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_widened_weight_is_the_dequantized_weight(n, k, dtype, bits):
     """What a large step multiplies with oneDNN instead (`NativeOps`, `widen_probe`): every value
     its codes stand for, bfloat16 rounded once."""
     _, w, _ = _data(n, k, torch.float32)
-    if bits == 8:
-        codes, scales = quantize_blocks(w)
-        packed, want = pack_blocks(codes, scales, k), dequantize_blocks(codes, scales, k)
-    else:
-        codes, d, m = quantize_q4_blocks(w)
-        packed, want = pack_q4_blocks(codes, d, m, k), dequantize_q4_blocks(codes, d, m, k)
+    packed, want = packed_weight(w, bits)
     got = widen_blocks(packed, dtype)
     assert got.shape == (n, k) and got.dtype == dtype
     assert torch.equal(got, want.to(dtype))
