@@ -38,10 +38,12 @@ def quantization_as_stored(formats: tuple[str, ...], ops: KernelOps) -> StoredCh
             "quantized blocks: dequantized",
         )
     if set(formats) & set(FOUR_BIT_TYPES) and "int4" in ops.quantizations:
-        wider = sorted(set(formats) - set(FOUR_BIT_TYPES) - {"Q6_K"})
+        kept = sorted(set(formats) & {"Q5_0", "Q5_1", "Q5_K", "Q6_K"})
+        wider = sorted(set(formats) - set(FOUR_BIT_TYPES) - set(kept))
         keep = (
-            "; Q6_K matrices keep their blocks (int8 beside 4-bit ones in a fused projection)"
-            if "Q6_K" in formats
+            f"; {'/'.join(kept)} matrices keep their blocks (int8 beside 4-bit ones in a fused "
+            "projection)"
+            if kept
             else ""
         )
         keep += f"; the matrices stored as {'/'.join(wider)} run int8" if wider else ""

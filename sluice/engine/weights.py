@@ -174,14 +174,16 @@ class BlockInt8Linear(nn.Module):
 
     @classmethod
     def from_int8_blocks(cls, blocks: WideBlocks, bias: torch.Tensor | None) -> BlockInt8Linear:
-        """A matrix as int8 blocks read from a file (`gguf_to_blocks`), or as a Q6_K tensor's own
-        blocks (`Q6Blocks`)."""
+        """A matrix as int8 blocks read from a file (`gguf_to_blocks`), or as a 5-bit or Q6_K
+        tensor's own blocks (`Q5Blocks`, `Q6Blocks`)."""
         from .cpu_kernels import block_int8_linear as packing
-        from .loader.gguf_blocks import Q6Blocks
+        from .loader.gguf_blocks import Q5Blocks, Q6Blocks
 
         k = blocks.codes.shape[1]
         if isinstance(blocks, Q6Blocks):
             packed = packing.pack_q6_blocks(blocks.codes, blocks.d, blocks.sc, k)
+        elif isinstance(blocks, Q5Blocks):
+            packed = packing.pack_q5_blocks(blocks.codes, blocks.d, blocks.m, k)
         else:
             packed = packing.pack_blocks(blocks.codes, blocks.d, k)
         return cls(packed, optional_parameter(bias))

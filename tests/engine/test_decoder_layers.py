@@ -95,40 +95,55 @@ def test_one_call_reads_an_untied_embedding_left_in_the_file(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(
-    "config",
-    [dict(quantization="int4"), dict(quantization="int8", dtype="bfloat16")],
-    ids=["int4", "int8-bf16"],
+    "qtype, config",
+    [
+        ("Q6_K", dict(quantization="int4")),
+        ("Q6_K", dict(quantization="int8", dtype="bfloat16")),
+        ("Q5_K", dict(quantization="int4")),
+        ("Q5_0", dict(quantization="int8", dtype="bfloat16")),
+    ],
+    ids=["Q6_K-int4", "Q6_K-int8-bf16", "Q5_K-int4", "Q5_0-int8-bf16"],
 )
-def test_one_call_multiplies_q6_k_blocks_as_stored(tmp_path, monkeypatch, config):
-    """A GGUF with Q6_K down projections and a tied Q6_K vocabulary matrix (as Qwen2.5's Q4_K_M
-    files): they keep the file's 6-bit blocks (the head, and the embedding's rows read from it),
-    and the one calls give the layer-by-layer bits."""
+def test_one_call_multiplies_wider_blocks_as_stored(tmp_path, monkeypatch, qtype, config):
+    """A GGUF with its down projections and its tied vocabulary matrix stored as `qtype` (as
+    Qwen2.5's Q4_K_M files keep them in Q6_K, Q5_K_M files in Q5_K): they keep the file's 6- or
+    5-bit blocks (the head, and the embedding's rows read from it), and the one calls give the
+    layer-by-layer bits."""
     import numpy as np
     from gguf import GGMLQuantizationType as Q
+    from gguf import quants
     from test_gguf_loader import write_gguf
 
-    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q6
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q5, FMT_Q6
     from sluice.engine.weights import BlockInt8Embedding
 
     rng = np.random.default_rng(9)
 
-    def q6_k(t):  # random blocks (nothing here quantizes to Q6_K), d small enough for sane logits
+    def stored(t):
         rows, k = t.shape
-        raw = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
-        d = rng.uniform(1e-4, 3e-4, (rows, k // 256)).astype(np.float16)
-        raw[..., 208:210] = d.view(np.uint8).reshape(rows, k // 256, 2)
-        return raw.reshape(rows, -1), Q.Q6_K
+        if qtype == "Q5_0":
+            return quants.quantize(t.astype(np.float32), Q.Q5_0), Q.Q5_0
+        # random blocks (nothing here quantizes to K-quants), scales small enough for sane logits
+        size = {"Q6_K": 210, "Q5_K": 176}[qtype]
+        raw = rng.integers(0, 256, (rows, k // 256, size), dtype=np.uint8)
+        d = rng.uniform(1e-4, 3e-4, (rows, k // 256, 2)).astype(np.float16).view(np.uint8)
+        if qtype == "Q6_K":
+            raw[..., 208:210] = d[..., :2]
+        else:  # d and dmin
+            raw[..., 0:4] = d.reshape(rows, k // 256, 4)
+        return raw.reshape(rows, -1), Q[qtype]
 
     shape = {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4}
     hf = build("llama", num_key_value_heads=2, tie_word_embeddings=True, **shape)
     layers = hf.config.num_hidden_layers
-    override = {f"blk.{i}.ffn_down.weight": q6_k for i in range(layers)}
-    write_gguf(tmp_path / "m.gguf", hf, "llama", override={"token_embd.weight": q6_k, **override})
+    override = {f"blk.{i}.ffn_down.weight": stored for i in range(layers)}
+    write_gguf(tmp_path / "m.gguf", hf, "llama", override={"token_embd.weight": stored, **override})
     e = _one_call_matches_layer_by_layer(tmp_path, monkeypatch, config)
     model = e.runner.model
-    assert model.lm_head.packed.fmt == FMT_Q6
+    fmt = FMT_Q6 if qtype == "Q6_K" else FMT_Q5
+    assert model.lm_head.packed.fmt == fmt
     assert isinstance(model.embed_tokens, BlockInt8Embedding)
-    assert all(layer.down.packed.fmt == FMT_Q6 for layer in model.layers)
+    assert all(layer.down.packed.fmt == fmt for layer in model.layers)
 
 
 def _one_call_matches_layer_by_layer(path, monkeypatch, config):

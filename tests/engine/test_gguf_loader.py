@@ -722,7 +722,7 @@ def test_auto_picks_int4_wherever_a_file_has_4_bit_layers():
     native = resolve_kernel_ops("native", "cpu")
     assert quantization_as_stored(("Q4_0", "Q4_K"), native).quantization == "int4"
     mixed = quantization_as_stored(("Q4_K", "Q6_K"), native)
-    assert mixed.quantization == "int4" and "Q6_K" in mixed.reason and "int8" in mixed.reason
+    assert mixed.quantization == "int4" and "Q6_K matrices keep their blocks" in mixed.reason
     assert quantization_as_stored(("Q6_K", "Q8_0"), native).quantization == "int8"
     assert quantization_as_stored((), native).quantization is None
 
@@ -978,6 +978,67 @@ def test_the_cli_runs_a_file_as_stored_unless_told_none():
     assert quantization() == "auto"
     assert quantization("--quantization", "none") is None
     assert quantization("--quantization", "int8") == "int8"
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_5_bit_matrices_keep_the_files_own_blocks(name, tmp_path, read_as_floats):
+    """A llama GGUF whose layer matrices are stored as `name` (Q5_K_M files' type, and Gemma's
+    Q5_0): each projection holds the file's 5-bit blocks (`FMT_Q5`, never read as floats), their
+    values the float64 reference decoder's: exactly for Q5_0 and Q5_1, and for Q5_K within
+    float16 rounding of each block's d sc and dmin mn, as Q4_K's."""
+    from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q5, widen_blocks
+    from sluice.engine.loader.gguf_blocks import stacked
+    from sluice.engine.loader.tensor_names import PROJECTION_PARTS
+
+    qtype = Q[name]
+    rng = np.random.default_rng(4)
+    hf = build("llama", hidden_size=256, intermediate_size=256)
+    raws: dict[str, np.ndarray] = {}  # by HF name
+
+    def stored(hf_name: str):
+        def raw_of(t):
+            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0]
+            return raws[hf_name], qtype
+
+        return raw_of
+
+    override = {
+        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(f"model.layers.{i}.{part}.weight")
+        for i in range(hf.config.num_hidden_layers)
+        for parts in PROJECTION_PARTS.values()
+        for part in parts
+    }
+    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    c = loaded.config
+    model = built_as_stored(loaded)
+    assert all(not name.startswith("model.layers.") or name.endswith("norm.weight")
+               for name in read_as_floats)  # fmt: skip
+
+    def reference(hf_name: str) -> np.ndarray:
+        raw = np.ascontiguousarray(raws[hf_name]).view(np.uint8).reshape(-1)
+        w = reference_dequantize(raw, qtype, tuple(loaded.tensors[hf_name].shape))
+        if "q_proj" in hf_name:
+            w = unpermute_qk(w, c.num_attention_heads)
+        elif "k_proj" in hf_name:
+            w = unpermute_qk(w, c.num_key_value_heads)
+        return w
+
+    for i, layer in enumerate(model.layers):
+        for projection, parts in PROJECTION_PARTS.items():
+            names = [f"model.layers.{i}.{part}.weight" for part in parts]
+            want = np.concatenate([reference(n) for n in names])
+            packed = getattr(layer, projection).packed
+            assert packed.fmt == FMT_Q5, (projection, packed.fmt)
+            err = np.abs(widen_blocks(packed, torch.float32).double().numpy() - want)
+            if name == "Q5_K":
+                blocks = stacked([loaded.int8_blocks[n] for n in names])
+                d, m = (
+                    np.repeat(t.double().abs().numpy(), 32, axis=1) for t in (blocks.d, blocks.m)
+                )
+                assert (err <= (31 * d + m) * 2**-11 + 1e-6 * np.abs(want).max()).all()
+            else:
+                assert err.max() == 0, err.max()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])

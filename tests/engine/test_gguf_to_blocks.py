@@ -14,12 +14,14 @@ from test_gguf_loader import _raw_tensor, reference_dequantize
 
 from sluice.engine.cpu_kernels.block_int8_linear import (
     dequantize_blocks,
+    dequantize_q4_blocks,
     dequantize_q6_blocks,
     quantize_blocks,
 )
 from sluice.engine.cpu_kernels.gguf_to_blocks import (
     gguf_int4_blocks,
     gguf_int8_blocks,
+    gguf_q5_blocks,
     gguf_q6_blocks,
 )
 from sluice.engine.loader.gguf_blocks import int4_blocks
@@ -90,6 +92,28 @@ def test_q6_k_blocks_are_read_as_stored():
         gguf_q6_blocks(np.zeros(5 * 210, np.uint8), (5, 288))
     with pytest.raises(ValueError, match="bytes"):
         gguf_q6_blocks(raw[:-210], SHAPE)
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_5_bit_blocks_are_read_as_stored(name):
+    """A 5-bit tensor's own codes with each block's d and m (what the 5-bit kernel multiplies):
+    the float64 reference decoder's values exactly for Q5_0 (m = -16 d) and Q5_1, and for Q5_K
+    within float16 rounding of each block's d sc and dmin mn (products), as Q4_K's."""
+    raw = _raw(Q[name], seed=8)
+    codes, d, m = gguf_q5_blocks(raw, name, SHAPE)
+    assert codes.dtype == torch.uint8 and codes.shape == SHAPE and int(codes.max()) == 31
+    assert d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (SHAPE[0], SHAPE[1] // 32)
+    got = dequantize_q4_blocks(codes, d, m, SHAPE[1]).double().numpy()
+    exact = reference_dequantize(raw, Q[name], SHAPE)
+    if name == "Q5_K":
+        step = np.repeat((31 * d.double().abs() + m.double().abs()).numpy(), 32, axis=1)
+        assert (np.abs(got - exact) <= step * 2**-11 + 1e-6 * np.abs(exact).max()).all()
+    else:
+        assert np.array_equal(got, exact)
+    with pytest.raises(ValueError, match="Q4_K"):
+        gguf_q5_blocks(_raw(Q.Q4_K), "Q4_K", SHAPE)
+    with pytest.raises(ValueError, match="bytes"):
+        gguf_q5_blocks(raw[:-1], name, SHAPE)
 
 
 def test_a_zero_block_and_tiny_scales():

@@ -25,6 +25,11 @@
  * holding the codes of k = 32b + 4j + i (low nibble) and of k + 16 (high nibble) of column c,
  * then the 16 d, then the 16 m (320 bytes a block); VPDPBUSD takes the codes as they unpack.
  *
+ * 5-bit codes (`fmt` 4: GGUF's Q5_0, Q5_1 and Q5_K as one form): w = d * q + m with q in 0..31,
+ * computed as the 4-bit codes are. A block of a panel is Q4's nibbles (256 bytes), then the codes'
+ * fifth bits in one vector of 64 bytes (byte 4c + i: bit j for k = 4j + i, bit 4 + j for
+ * k = 16 + 4j + i), then the 16 d and the 16 m (384 bytes a block: 6 bits a weight).
+ *
  * 6-bit codes (`fmt` 3, GGUF's Q6_K): w = d * sc * (q - 32) with q in 0..63, an int8 sc for each
  * 16 values along k and a float16 d for each 256 (repeated here in its eight blocks). A block's two
  * halves are summed apart and joined in int32, exactly:
@@ -66,11 +71,15 @@
 #define Q6_LOW (KB * NC / 2)                  /* where a Q6 block's top bits start */
 #define Q6_SCALES (Q6_LOW + KB * NC / 4)      /* ... and its float16 d, then its int8 sc */
 #define Q6_BLOCK_BYTES (Q6_SCALES + NC * 4)
+#define Q5_TOP (KB * NC / 2)             /* where a Q5 block's fifth bits start */
+#define Q5_SCALES (Q5_TOP + KB * NC / 8) /* ... and its float16 d and m */
+#define Q5_BLOCK_BYTES (Q5_SCALES + NC * 4)
 #define FMT_Q8 0
 #define FMT_Q4 1
 #define FMT_Q6 3 /* (2 is the fixed-order kernel's, in the layer stack's numbering) */
-#define MR 4     /* rows of a tile */
-#define NP 2     /* panels of a tile */
+#define FMT_Q5 4
+#define MR 4 /* rows of a tile */
+#define NP 2 /* panels of a tile */
 #define BLOCK_M (MR * 16)
 #define TINY_BLOCK 1e-30f /* activation blocks below this amax are zeros */
 
@@ -81,7 +90,10 @@ static inline int64_t panels_of(int64_t n) { return (n + NC - 1) / NC; }
 int sluice_block_int8_dot_path(void) { return HAVE_VNNI ? 2 : HAVE_AVX2 ? 1 : 0; }
 
 static inline int64_t block_bytes(int fmt) {
-    return fmt == FMT_Q4 ? Q4_BLOCK_BYTES : fmt == FMT_Q6 ? Q6_BLOCK_BYTES : BLOCK_BYTES;
+    return fmt == FMT_Q4   ? Q4_BLOCK_BYTES
+           : fmt == FMT_Q5 ? Q5_BLOCK_BYTES
+           : fmt == FMT_Q6 ? Q6_BLOCK_BYTES
+                           : BLOCK_BYTES;
 }
 
 int64_t sluice_block_int8_packed_bytes(int64_t N, int64_t K) {
@@ -125,30 +137,49 @@ void sluice_block_q6_pack(const uint8_t *codes, const uint16_t *d, const int8_t 
     }
 }
 
-/* codes uint8 in 0..15 [N, nb * 32] (k past K zero), d and m float16 bits [N, nb]. */
-void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N,
-                            int64_t K, uint8_t *packed) {
-    const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB;
+/* codes uint8 in 0..15 (FMT_Q4) or 0..31 (FMT_Q5) [N, nb * 32] (k past K zero), d and m float16
+ * bits [N, nb]. */
+static void pack_dm(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                    int64_t K, uint8_t *packed, int fmt) {
+    const int64_t nb = blocks_of(K), P = panels_of(N), kp = nb * KB, bytes = block_bytes(fmt);
+    const int scales = fmt == FMT_Q5 ? Q5_SCALES : KB * NC / 2;
     /* panels apart: a large matrix packs on every core (a start packs the whole model) */
 #pragma omp parallel for schedule(static) if (P * nb > 256)
     for (int64_t p = 0; p < P; p++) {
-        memset(packed + p * nb * Q4_BLOCK_BYTES, 0, (size_t)(nb * Q4_BLOCK_BYTES));
+        memset(packed + p * nb * bytes, 0, (size_t)(nb * bytes));
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *blk = packed + (p * nb + b) * Q4_BLOCK_BYTES;
-            uint16_t *dd = (uint16_t *)(blk + KB * NC / 2), *mm = dd + NC;
+            uint8_t *blk = packed + (p * nb + b) * bytes;
+            uint16_t *dd = (uint16_t *)(blk + scales), *mm = dd + NC;
             for (int c = 0; c < NC; c++) {
                 const int64_t n = p * NC + c;
                 if (n >= N) continue;
                 dd[c] = d[n * nb + b];
                 mm[c] = m[n * nb + b];
                 for (int t = 0; t < KB; t++) {
-                    const uint8_t q = codes[n * kp + b * KB + t] & 0x0f;
-                    const int lane = t % 16, shift = t < 16 ? 0 : 4;
-                    blk[(lane / 4) * 64 + 4 * c + lane % 4] |= (uint8_t)(q << shift);
+                    const uint8_t q = codes[n * kp + b * KB + t] & (fmt == FMT_Q5 ? 0x1f : 0x0f);
+                    const int lane = t % 16, half = t / 16, at = (lane / 4) * 64 + 4 * c + lane % 4;
+                    blk[at] |= (uint8_t)((q & 0x0f) << (4 * half));
+                    if (fmt == FMT_Q5)
+                        blk[Q5_TOP + 4 * c + lane % 4] |=
+                            (uint8_t)((q >> 4) << (4 * half + lane / 4));
                 }
             }
         }
     }
+}
+
+void sluice_block_int4_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                            int64_t K, uint8_t *packed) {
+    pack_dm(codes, d, m, N, K, packed, FMT_Q4);
+}
+
+int64_t sluice_block_q5_packed_bytes(int64_t N, int64_t K) {
+    return panels_of(N) * blocks_of(K) * Q5_BLOCK_BYTES;
+}
+
+void sluice_block_q5_pack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int64_t N,
+                          int64_t K, uint8_t *packed) {
+    pack_dm(codes, d, m, N, K, packed, FMT_Q5);
 }
 
 /* codes int8 [N, nb * 32] (k past K zero), scales float16 bits [N, nb]. */
@@ -210,13 +241,19 @@ static inline void block_column(const uint8_t *blk, int fmt, int c, float w[KB])
         }
         return;
     }
-    if (fmt == FMT_Q4) {
-        const uint16_t *dd = (const uint16_t *)(blk + KB * NC / 2);
+    if (fmt == FMT_Q4 || fmt == FMT_Q5) {
+        const uint16_t *dd = (const uint16_t *)(blk + (fmt == FMT_Q5 ? Q5_SCALES : KB * NC / 2));
         const float d = f16_to_float(dd[c]), m = f16_to_float(dd[NC + c]);
-        uint8_t nibbles[KB / 2];
+        uint8_t nibbles[KB / 2], top[4] = {0, 0, 0, 0};
         for (int j = 0; j < KB / 8; j++) memcpy(nibbles + 4 * j, blk + j * 64 + 4 * c, 4);
-        for (int t = 0; t < KB / 2; t++) w[t] = (float)(int)(nibbles[t] & 0x0f) * d + m;
-        for (int t = 0; t < KB / 2; t++) w[t + KB / 2] = (float)(int)(nibbles[t] >> 4) * d + m;
+        if (fmt == FMT_Q5) memcpy(top, blk + Q5_TOP + 4 * c, 4);
+        for (int t = 0; t < KB / 2; t++) {
+            const int i = t % 4, j = t / 4;
+            const int lo = (nibbles[t] & 0x0f) | (((top[i] >> j) & 1) << 4);
+            const int hi = (nibbles[t] >> 4) | (((top[i] >> (4 + j)) & 1) << 4);
+            w[t] = (float)lo * d + m;
+            w[t + KB / 2] = (float)hi * d + m;
+        }
         return;
     }
     const float scale = f16_to_float(((const uint16_t *)(blk + KB * NC))[c]);
@@ -398,15 +435,25 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo,
             }
             continue;
         }
-        if (fmt == FMT_Q4) {
-            const uint8_t *blk = w + b * Q4_BLOCK_BYTES;
-            const __m512i low = _mm512_set1_epi8(0x0f);
+        if (fmt == FMT_Q4 || fmt == FMT_Q5) {
+            const uint8_t *blk = w + b * block_bytes(fmt);
+            const __m512i low = _mm512_set1_epi8(0x0f), one = _mm512_set1_epi8(0x01);
+            __m512i top[NP];
+            for (int p = 0; p < np; p++)
+                top[p] = fmt == FMT_Q5 ? _mm512_loadu_si512(blk + p * panel_stride + Q5_TOP)
+                                       : _mm512_setzero_si512();
             for (int j = 0; j < KB / 8; j++) {
                 __m512i lo[NP], hi[NP];
                 for (int p = 0; p < np; p++) {
                     const __m512i v = _mm512_loadu_si512(blk + p * panel_stride + j * 64);
                     lo[p] = _mm512_and_si512(v, low);
                     hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    if (fmt == FMT_Q5) {
+                        const __m512i t0 = _mm512_and_si512(_mm512_srli_epi16(top[p], j), one);
+                        const __m512i t1 = _mm512_and_si512(_mm512_srli_epi16(top[p], 4 + j), one);
+                        lo[p] = _mm512_or_si512(lo[p], _mm512_slli_epi16(t0, 4));
+                        hi[p] = _mm512_or_si512(hi[p], _mm512_slli_epi16(t1, 4));
+                    }
                 }
                 for (int i = 0; i < mr; i++) {
                     int32_t qa, qb;
@@ -421,7 +468,8 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo,
             }
             __m512 wd[NP], wm[NP];
             for (int p = 0; p < np; p++) {
-                const uint8_t *sc = blk + p * panel_stride + KB * NC / 2;
+                const uint8_t *sc =
+                    blk + p * panel_stride + (fmt == FMT_Q5 ? Q5_SCALES : KB * NC / 2);
                 wd[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
                 wm[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 2 * NC)));
             }
@@ -538,15 +586,22 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo,
             }
             continue;
         }
-        if (fmt == FMT_Q4) {
-            const uint8_t *blk = w + b * Q4_BLOCK_BYTES;
-            const __m256i low = _mm256_set1_epi8(0x0f);
+        if (fmt == FMT_Q4 || fmt == FMT_Q5) {
+            const uint8_t *blk = w + b * block_bytes(fmt);
+            const __m256i low = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(0x01);
             for (int j = 0; j < KB / 8; j++)
                 for (int h = 0; h < 2 * np; h++) {
-                    const __m256i v = _mm256_loadu_si256(
-                        (const __m256i *)(blk + (h / 2) * panel_stride + j * 64 + (h % 2) * 32));
-                    const __m256i lo = _mm256_and_si256(v, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    const uint8_t *half = blk + (h / 2) * panel_stride + (h % 2) * 32;
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(half + j * 64));
+                    __m256i lo = _mm256_and_si256(v, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (fmt == FMT_Q5) {
+                        const __m256i top = _mm256_loadu_si256((const __m256i *)(half + Q5_TOP));
+                        const __m256i t0 = _mm256_and_si256(_mm256_srli_epi16(top, j), one);
+                        const __m256i t1 = _mm256_and_si256(_mm256_srli_epi16(top, 4 + j), one);
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(t0, 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(t1, 4));
+                    }
                     for (int i = 0; i < mr; i++) {
                         int32_t qa, qb;
                         memcpy(&qa, xq + i * kp + b * KB + 4 * j, 4);
@@ -556,7 +611,8 @@ tile(const int8_t *xq, const float *xs, const int32_t *xsum, const int32_t *xlo,
                     }
                 }
             for (int h = 0; h < 2 * np; h++) {
-                const uint8_t *sc = blk + (h / 2) * panel_stride + KB * NC / 2 + (h % 2) * 16;
+                const uint8_t *sc = blk + (h / 2) * panel_stride + (h % 2) * 16 +
+                                    (fmt == FMT_Q5 ? Q5_SCALES : KB * NC / 2);
                 const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
                 const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 2 * NC)));
                 for (int i = 0; i < mr; i++) {
@@ -644,17 +700,21 @@ static inline void tile(const int8_t *xq, const float *xs, const int32_t *xsum, 
                     }
                     continue;
                 }
-                if (fmt == FMT_Q4) {
-                    const uint8_t *blk = w + p * panel_stride + b * Q4_BLOCK_BYTES;
-                    const uint16_t *dd = (const uint16_t *)(blk + KB * NC / 2), *mm = dd + NC;
+                if (fmt == FMT_Q4 || fmt == FMT_Q5) {
+                    const uint8_t *blk = w + p * panel_stride + b * block_bytes(fmt);
+                    const uint16_t *dd = (const uint16_t *)(blk + (fmt == FMT_Q5 ? Q5_SCALES
+                                                                                 : KB * NC / 2)),
+                                   *mm = dd + NC;
                     const float sm = s * (float)xsum[i * nb + b];
                     int32_t d[NC] = {0};
                     for (int j = 0; j < KB / 8; j++)
                         for (int c = 0; c < NC; c++)
                             for (int t = 0; t < 4; t++) {
                                 const uint8_t v = blk[j * 64 + 4 * c + t];
-                                d[c] += (int32_t)(v & 0x0f) * xr[4 * j + t] +
-                                        (int32_t)(v >> 4) * xr[16 + 4 * j + t];
+                                const uint8_t top = fmt == FMT_Q5 ? blk[Q5_TOP + 4 * c + t] : 0;
+                                const int lo = (v & 0x0f) | (((top >> j) & 1) << 4);
+                                const int hi = (v >> 4) | (((top >> (4 + j)) & 1) << 4);
+                                d[c] += lo * xr[4 * j + t] + hi * xr[16 + 4 * j + t];
                             }
                     for (int c = 0; c < NC; c++) {
                         float a = fmaf(s * f16_to_float(dd[c]), (float)d[c], acc[p * NC + c]);
@@ -688,6 +748,9 @@ static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, cons
         if (fmt == FMT_Q4)                                                                         \
             tile(xq, xs, xsum, xlo, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16,         \
                  FMT_Q4);                                                                          \
+        else if (fmt == FMT_Q5)                                                                    \
+            tile(xq, xs, xsum, xlo, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16,         \
+                 FMT_Q5);                                                                          \
         else if (fmt == FMT_Q6)                                                                    \
             tile(xq, xs, xsum, xlo, nb, w, panel_stride, bias, out, os, ncols, R, P, bf16,         \
                  FMT_Q6);                                                                          \
@@ -704,7 +767,7 @@ static void tile_of(const int8_t *xq, const float *xs, const int32_t *xsum, cons
 int sluice_block_int8_linear(const void *x, int64_t x_stride, const uint8_t *packed,
                              const void *bias, void *out, int64_t out_stride, int64_t M, int64_t N,
                              int64_t K, int bf16, int fmt, int num_threads) {
-    if (M < 0 || N < 0 || K < 1 || (fmt != FMT_Q8 && fmt != FMT_Q4 && fmt != FMT_Q6)) return -2;
+    if (M < 0 || N < 0 || K < 1 || fmt < FMT_Q8 || fmt > FMT_Q5 || fmt == 2) return -2;
     if (M == 0 || N == 0) return 0;
     if (num_threads < 1) num_threads = 1;
     const int64_t nb = blocks_of(K), kp = nb * KB, P = panels_of(N), elem = bf16 ? 2 : 4;

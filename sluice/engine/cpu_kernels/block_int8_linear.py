@@ -1,10 +1,11 @@
 """x @ W.T (+ bias) for quantized weights multiplied as stored (`block_int8_linear.c`): codes in
 blocks of 32 along K, activations quantized to int8 per block of 32 in the call, each block's dot
 product exact in int32 (AVX512-VNNI or AVX2 where the CPU has them, the same bits without); no
-float copy of the weights is ever made. Three weight formats, GGUF's:
+float copy of the weights is ever made. Four weight formats, GGUF's:
 
 - int8 (Q8_0): w = d * q, q in -127..127, one float16 d a block: 8.5 bits a weight;
 - int4 (Q4_1): w = d * q + m, q in 0..15, float16 d and m a block: 5 bits a weight;
+- 5-bit (Q5_0, Q5_1, Q5_K): w = d * q + m, q in 0..31, float16 d and m a block: 6 bits a weight;
 - 6-bit (Q6_K): w = d * sc * (q - 32), q in 0..63, an int8 sc each 16 values and a float16 d each
   256 (packed: 7 bits a weight). Read from a file as stored (`loader.gguf_blocks.Q6Blocks`), never
   made by quantizing here.
@@ -12,6 +13,7 @@ float copy of the weights is ever made. Three weight formats, GGUF's:
     codes, scales = quantize_blocks(weight)    # [N, K] float -> int8 [N, Kp], float16 [N, Kp/32]
     packed = pack_blocks(codes, scales, k)     # panels of 16 columns, as the kernel reads them
     packed4 = pack_q4_blocks(*quantize_q4_blocks(weight), k)
+    packed5 = pack_q5_blocks(codes5, d, m, k)  # a 5-bit tensor's own codes, d and m
     packed6 = pack_q6_blocks(codes6, d, sc, k) # a Q6_K tensor's own codes and scales
     y = block_int8_linear(x, packed, bias)     # either format
 
@@ -38,10 +40,10 @@ class BlockInt8Weight:
     data: torch.Tensor  # uint8, the packed panels
     n: int
     k: int
-    fmt: int = 0  # FMT_Q8, FMT_Q4 or FMT_Q6, as the C kernel numbers them
+    fmt: int = 0  # FMT_Q8, FMT_Q4, FMT_Q6 or FMT_Q5, as the C kernel numbers them
 
 
-FMT_Q8, FMT_Q4, FMT_Q6 = 0, 1, 3
+FMT_Q8, FMT_Q4, FMT_Q6, FMT_Q5 = 0, 1, 3, 4
 Q4_MAX = 15
 Q6_MAX = 63
 
@@ -122,7 +124,8 @@ def _quantize_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def dequantize_q4_blocks(codes, d, m, k: int) -> torch.Tensor:
-    """The float32 [N, K] weight that 4-bit codes with block scales and minimums stand for."""
+    """The float32 [N, K] weight that 4-bit (or 5-bit) codes with block scales and minimums stand
+    for."""
     n = codes.shape[0]
     w = codes.to(torch.float32).view(n, -1, BLOCK) * d.to(torch.float32).unsqueeze(2)
     return (w + m.to(torch.float32).unsqueeze(2)).view(n, -1)[:, :k]
@@ -133,6 +136,18 @@ def pack_q4_blocks(
 ) -> BlockInt8Weight:
     """4-bit codes uint8 [N, Kp] and d, m float16 [N, Kp / 32] (`quantize_q4_blocks`) packed for
     the kernel."""
+    return _pack_dm(codes, d, m, k, FMT_Q4)
+
+
+def pack_q5_blocks(
+    codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, k: int
+) -> BlockInt8Weight:
+    """5-bit codes uint8 [N, Kp] (0..31) and d, m float16 [N, Kp / 32] (a GGUF tensor's own:
+    `gguf_to_blocks.gguf_q5_blocks`) packed for the kernel."""
+    return _pack_dm(codes, d, m, k, FMT_Q5)
+
+
+def _pack_dm(codes, d, m, k: int, fmt: int) -> BlockInt8Weight:
     n = codes.shape[0]
     nb = blocks_of(k)
     if codes.dtype != torch.uint8 or codes.shape != (n, nb * BLOCK) or k < 1:
@@ -141,10 +156,15 @@ def pack_q4_blocks(
         if t.dtype != torch.float16 or t.shape != (n, nb):
             raise ValueError(f"{name}: float16 [{n}, {nb}] expected, got {tuple(t.shape)}")
     lib = require_library()
-    data = torch.empty(lib.sluice_block_int4_packed_bytes(n, k), dtype=torch.uint8)
+    size, pack = (
+        (lib.sluice_block_q5_packed_bytes, lib.sluice_block_q5_pack)
+        if fmt == FMT_Q5
+        else (lib.sluice_block_int4_packed_bytes, lib.sluice_block_int4_pack)
+    )
+    data = torch.empty(size(n, k), dtype=torch.uint8)
     c, dd, mm = codes.contiguous(), d.contiguous(), m.contiguous()
-    lib.sluice_block_int4_pack(c.data_ptr(), dd.data_ptr(), mm.data_ptr(), n, k, data.data_ptr())
-    return BlockInt8Weight(data, n, k, FMT_Q4)
+    pack(c.data_ptr(), dd.data_ptr(), mm.data_ptr(), n, k, data.data_ptr())
+    return BlockInt8Weight(data, n, k, fmt)
 
 
 def pack_q6_blocks(
@@ -217,7 +237,8 @@ def block_int8_rows(weight: BlockInt8Weight, ids: torch.Tensor, dtype: torch.dty
 
 def widen_blocks(weight: BlockInt8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The whole weight dequantized, [N, K] in `dtype` (float32 or bfloat16): the values its codes
-    stand for (`dequantize_blocks`, `dequantize_q4_blocks`, `dequantize_q6_blocks`), bfloat16
+    stand for (`dequantize_blocks`, `dequantize_q4_blocks` for 4 and 5 bits,
+    `dequantize_q6_blocks`), bfloat16
     rounded once. For a step with
     enough rows that a float matmul on this copy beats `block_int8_linear` (`NativeOps`)."""
     if dtype not in DTYPES:

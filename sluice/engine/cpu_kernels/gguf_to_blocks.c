@@ -19,6 +19,9 @@
  * Q4_0's m = -8 d, Q4_K's d sc and -(dmin mn) (float32 products, exact; rounded to float16 by the
  * caller).
  *
+ * `sluice_gguf_to_q5_blocks` reads a 5-bit tensor's own codes (0..31) with each block of 32's d and
+ * m (w = d q + m): Q5_1's as stored, Q5_0's m = -16 d, Q5_K's d sc and -(dmin mn) as for Q4_K.
+ *
  * `sluice_gguf_to_q6_blocks` reads a Q6_K tensor's own codes (0..63), int8 scales and float16 d,
  * for `block_int8_linear.c`'s 6-bit format: the file's values, not quantized again.
  */
@@ -30,7 +33,16 @@
 
 #define KB 32 /* values of an output block */
 
-enum { T_Q8_0 = 8, T_Q5_0 = 6, T_Q4_0 = 2, T_Q4_1 = 3, T_Q4_K = 12, T_Q6_K = 14 }; /* GGML's */
+enum {
+    T_Q8_0 = 8,
+    T_Q5_0 = 6,
+    T_Q5_1 = 7,
+    T_Q4_0 = 2,
+    T_Q4_1 = 3,
+    T_Q4_K = 12,
+    T_Q5_K = 13,
+    T_Q6_K = 14
+}; /* GGML's */
 
 static float f16_to_f32(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -215,6 +227,10 @@ int64_t sluice_gguf_row_bytes(int type, int64_t K) {
         return K / 32 * 20;
     case T_Q4_K:
         return K / 256 * 144;
+    case T_Q5_1:
+        return K / 32 * 24;
+    case T_Q5_K:
+        return K / 256 * 176;
     case T_Q6_K:
         return K / 256 * 210;
     default:
@@ -270,6 +286,53 @@ int sluice_gguf_to_int4_blocks(const uint8_t *raw, int type, int64_t rows, int64
                 for (int j = 0; j < 16; j++) {
                     q[KB * b + j] = qs[j] & 0x0f;
                     q[KB * b + j + 16] = qs[j] >> 4;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* rows x K values of a 5-bit type (Q5_0, Q5_1, Q5_K) -> codes uint8 [rows, K] in 0..31, d and m
+ * float32 [rows, K / 32] (w = d q + m). Returns -1 for another type or a K it cannot read, else 0. */
+int sluice_gguf_to_q5_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K, uint8_t *codes,
+                             float *d_out, float *m_out, int num_threads) {
+    const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
+    const int unit = type == T_Q5_K ? 256 : 32;
+    if (!(type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) || K % unit != 0) return -1;
+    const int64_t nb = K / KB;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * row_bytes;
+        uint8_t *q = codes + r * K;
+        float *d = d_out + r * nb, *m = m_out + r * nb;
+        if (type == T_Q5_K) {
+            for (int64_t s = 0; s < nb / 8; s++) {
+                const uint8_t *blk = row + 176 * s, *qh = blk + 16, *ql = blk + 48;
+                const float sd = f16_to_f32(blk), smin = f16_to_f32(blk + 2);
+                for (int j = 0; j < 8; j++) { /* block j: low or high nibbles of 32 bytes */
+                    int sc, mn;
+                    k_scale_min(blk + 4, j, &sc, &mn);
+                    d[8 * s + j] = sd * (float)sc;
+                    m[8 * s + j] = -(smin * (float)mn);
+                    const uint8_t *qs = ql + 32 * (j / 2);
+                    for (int l = 0; l < 32; l++) {
+                        const int low = (j & 1) ? qs[l] >> 4 : qs[l] & 0x0f;
+                        q[KB * (8 * s + j) + l] = (uint8_t)(low | (((qh[l] >> j) & 1) << 4));
+                    }
+                }
+            }
+        } else {
+            const int size = type == T_Q5_0 ? 22 : 24, at = size - 20; /* qh, then 16 qs */
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + size * b, *qs = blk + at + 4;
+                uint32_t qh;
+                memcpy(&qh, blk + at, 4);
+                d[b] = f16_to_f32(blk);
+                m[b] = type == T_Q5_0 ? -16.0f * d[b] : f16_to_f32(blk + 2);
+                for (int j = 0; j < 16; j++) {
+                    q[KB * b + j] = (uint8_t)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
+                    q[KB * b + j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
                 }
             }
         }

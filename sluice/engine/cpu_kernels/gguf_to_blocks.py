@@ -6,11 +6,13 @@ Q4_0 and Q4_1 decoded and quantized by GGUF's Q8_0 rule with the bits of
     codes, scales = gguf_int8_blocks(raw, "Q6_K", (n, k))   # int8 [N, K], float16 [N, K / 32]
     codes, d, m = gguf_int4_blocks(raw, "Q4_K", (n, k))     # uint8 0..15, float16, float16
     codes, d, sc = gguf_q6_blocks(raw, (n, k))               # uint8 0..63, float16, int8
+    codes, d, m = gguf_q5_blocks(raw, "Q5_K", (n, k))       # uint8 0..31, float16, float16
 
 `gguf_rows(raw, type_name, shape, ids)` decodes some rows of such a tensor to float32 (an
 embedding looked up in the file's own blocks). `gguf_int4_blocks` gives the 4-bit types' own
 blocks, as `loader.gguf_blocks.int4_blocks` does with numpy (the same values; that one also serves
-where the native code is not built), `gguf_q6_blocks` Q6_K's own (the kernel's 6-bit format).
+where the native code is not built), `gguf_q5_blocks` the 5-bit types' and `gguf_q6_blocks`
+Q6_K's own (the kernel's 5- and 6-bit formats).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from . import require_library
 TYPE_NUMBERS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 INT8_TYPES = tuple(TYPE_NUMBERS)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+Q5_NUMBERS = {"Q5_0": 6, "Q5_1": 7, "Q5_K": 13}
+Q5_TYPES = tuple(Q5_NUMBERS)
 BLOCK = 32
 
 
@@ -68,6 +72,36 @@ def gguf_int4_blocks(
     rc = require_library().sluice_gguf_to_int4_blocks(
         data.ctypes.data,
         TYPE_NUMBERS[type_name],
+        n,
+        k,
+        codes.data_ptr(),
+        d.data_ptr(),
+        m.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"K = {k} does not split into {type_name} blocks")
+    return codes, d.to(torch.float16), m.to(torch.float16)
+
+
+def gguf_q5_blocks(
+    raw: np.ndarray, type_name: str, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [N, K] tensor stored in 5 bits (Q5_0, Q5_1, Q5_K) as its codes uint8 [N, K] (0..31) and
+    each block's d and m float16 [N, K / 32] (w = d q + m; Q5_K's d sc and -(dmin mn) rounded to
+    float16, as Q4_K's are)."""
+    if type_name not in Q5_TYPES:
+        raise ValueError(f"{type_name} is not read so ({', '.join(Q5_TYPES)})")
+    n, k = shape
+    lib = require_library()
+    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    if data.size != n * lib.sluice_gguf_row_bytes(Q5_NUMBERS[type_name], k):
+        raise ValueError(f"{data.size} bytes are not a [{n}, {k}] {type_name} tensor")
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    d, m = (torch.empty(n, k // BLOCK, dtype=torch.float32) for _ in range(2))
+    rc = lib.sluice_gguf_to_q5_blocks(
+        data.ctypes.data,
+        Q5_NUMBERS[type_name],
         n,
         k,
         codes.data_ptr(),

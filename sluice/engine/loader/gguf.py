@@ -23,8 +23,10 @@ import torch
 from ..config import ModelConfig, gemma3_fields, gemma3_layer_kinds, torch_dtype
 from ..cpu_kernels.gguf_to_blocks import (
     INT8_TYPES,
+    Q5_TYPES,
     gguf_int4_blocks,
     gguf_int8_blocks,
+    gguf_q5_blocks,
     gguf_q6_blocks,
 )
 from ..errors import ModelError
@@ -32,6 +34,7 @@ from .gguf_blocks import (
     FOUR_BIT_TYPES,
     Int4Blocks,
     Int8Blocks,
+    Q5Blocks,
     Q6Blocks,
     StoredRows,
     WideBlocks,
@@ -435,10 +438,12 @@ def int4_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> I
 
 
 def int8_blocks_of(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> WideBlocks:
-    """A matrix stored wider than 4 bits as the kernels read it: Q6_K's own blocks, the other
-    types' as int8 blocks."""
+    """A matrix stored wider than 4 bits as the kernels read it: the 5-bit types' and Q6_K's own
+    blocks, the other types' as int8 blocks."""
     if type_name == "Q6_K":
         return Q6Blocks(*gguf_q6_blocks(raw, shape))
+    if type_name in Q5_TYPES:
+        return Q5Blocks(*gguf_q5_blocks(raw, type_name, shape))
     return Int8Blocks(*gguf_int8_blocks(raw, type_name, shape))
 
 
@@ -521,7 +526,7 @@ def load_gguf(path: Path, dtype: Any = None, load_tokenizer: bool = True):
                 types[part] = type_name
                 if type_name in FOUR_BIT_TYPES:
                     blocks.add(part, int4)
-            if type_name in INT8_TYPES:
+            if type_name in INT8_TYPES + Q5_TYPES:
                 int8.add(part, int8_part)
         if len(shape) == 2 and type_name in INT8_TYPES and name == "model.embed_tokens.weight":
             rows[name] = StoredRows(source, t.offset, t.data.nbytes, type_name, shape)

@@ -8,10 +8,11 @@ codes are the file's own, not found again from the values.
   and mn: the same codes, d = d sc and m = -dmin mn rounded to float16 (within 2^-11 of one
   quantization step, where quantizing the values again could move a block onto another grid).
 
-Int8 blocks (`Int8Blocks`) are read by the native code (`cpu_kernels.gguf_to_blocks`): Q8_0's and
-Q5_0's own codes, the other types' values quantized again. Q6_K's blocks are read as stored
-(`Q6Blocks`: the kernels' 6-bit format), and quantized again to int8 blocks only where a projection
-stacks such a matrix with others stored otherwise (`stacked`).
+Int8 blocks (`Int8Blocks`) are read by the native code (`cpu_kernels.gguf_to_blocks`): Q8_0's own
+codes, the other types' values quantized again. The 5-bit types' and Q6_K's blocks are
+read as stored (`Q5Blocks`, `Q6Blocks`: the kernels' 5- and 6-bit formats), and quantized again to
+int8 blocks only where a projection stacks such a matrix with others stored otherwise
+(`stacked`).
 """
 
 from __future__ import annotations
@@ -94,15 +95,32 @@ class Q6Blocks(_Blocks):
         return Int8Blocks(*quantize_blocks(dequantize_q6_blocks(self.codes, self.d, self.sc, k)))
 
 
+@dataclass
+class Q5Blocks(_Blocks):
+    """A [N, K] matrix as 5-bit blocks along K (GGUF's Q5_0, Q5_1, Q5_K: w = d q + m, as
+    `Int4Blocks` with a fifth bit)."""
+
+    codes: torch.Tensor  # uint8 [N, K], 0..31
+    d: torch.Tensor  # float16 [N, K / 32]
+    m: torch.Tensor  # float16 [N, K / 32]
+
+    def as_int8(self) -> Int8Blocks:
+        """The matrix as int8 blocks, its values quantized again by the Q8_0 rule."""
+        from ..cpu_kernels.block_int8_linear import dequantize_q4_blocks, quantize_blocks
+
+        k = self.codes.shape[1]
+        return Int8Blocks(*quantize_blocks(dequantize_q4_blocks(self.codes, self.d, self.m, k)))
+
+
 # A matrix a file stores wider than 4 bits, as the native kernels read it
-WideBlocks = Int8Blocks | Q6Blocks
+WideBlocks = Int8Blocks | Q5Blocks | Q6Blocks
 
 
 def stacked(parts: list[WideBlocks]) -> WideBlocks:
     """Matrices stacked by rows (a fused projection's parts): as stored where they share a form,
     else every part as int8 blocks (a Q6_K matrix beside int8 ones)."""
     if len({type(p) for p in parts}) > 1:
-        parts = [p.as_int8() if isinstance(p, Q6Blocks) else p for p in parts]
+        parts = [p.as_int8() if isinstance(p, (Q5Blocks, Q6Blocks)) else p for p in parts]
     return type(parts[0]).concat(parts)
 
 

@@ -1,7 +1,7 @@
 """Quantized weights multiplied as stored (`cpu_kernels.block_int8_linear`): blocks of 32 codes
-along K, int8 with float16 scales (Q8_0), 4-bit with float16 scales and minimums (Q4_1), or 6-bit
-with an int8 scale each 16 and a float16 one each 256 (Q6_K), activations quantized per block of
-32 in the call, exact int32 block dot products (VNNI where the CPU has it).
+along K, int8 with float16 scales (Q8_0), 4-bit or 5-bit with float16 scales and minimums (Q4_1,
+Q5_*), or 6-bit with an int8 scale each 16 and a float16 one each 256 (Q6_K), activations
+quantized per block of 32 in the call, exact int32 block dot products (VNNI where the CPU has it).
 
 Checked against float64 two ways: with the activations quantized as the kernel's contract says
 (then only float32 roundoff may differ), and against the unquantized product, within the bound the
@@ -25,6 +25,7 @@ from sluice.engine.cpu_kernels.block_int8_linear import (
     dot_path,
     pack_blocks,
     pack_q4_blocks,
+    pack_q5_blocks,
     pack_q6_blocks,
     quantize_blocks,
     quantize_q4_blocks,
@@ -160,6 +161,31 @@ def check_q6(n, k, dtype, rows=300):
     return got
 
 
+def q5_operands(n: int, k: int, seed: int = 0):
+    """5-bit codes as a file holds them (random, one block all 31 and one all 0) with float16 d
+    and m of varied size and sign; codes past K are 0."""
+    g = torch.Generator().manual_seed(seed + 5 * n + k)
+    nb = -(-k // BLOCK)
+    codes = torch.randint(0, 32, (n, nb * BLOCK), generator=g, dtype=torch.uint8)
+    codes[:, k:] = 0
+    codes[0, :BLOCK], codes[-1, :BLOCK] = 31, 0
+    d = (torch.randn(n, nb, generator=g) * 1e-2).half()
+    m = (torch.randn(n, nb, generator=g) * 1e-1).half()
+    return codes, d, m
+
+
+def check_q5(n, k, dtype, rows=300):
+    x, _, b = _data(n, k, dtype, rows=rows)
+    codes, d, m = q5_operands(n, k)
+    got = block_int8_linear(x, pack_q5_blocks(codes, d, m, k), b)
+    assert got.dtype == dtype and got.shape == (x.shape[0], n)
+    want, magnitude = reference_q4(x, codes, d, m, b)  # (the same contract, codes to 31)
+    nb = -(-k // BLOCK)
+    tol = (2 * nb + 3) * 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    assert ((got.double() - want).abs() <= tol * magnitude + 1e-30).all()
+    return got
+
+
 def packed_weight(w: torch.Tensor, bits: int):
     """w quantized and packed in `bits` (8, 4), or a 6-bit weight of its shape (`q6_operands`):
     (the packed weight, the values it stands for)."""
@@ -170,6 +196,9 @@ def packed_weight(w: torch.Tensor, bits: int):
     if bits == 4:
         codes, d, m = quantize_q4_blocks(w)
         return pack_q4_blocks(codes, d, m, k), dequantize_q4_blocks(codes, d, m, k)
+    if bits == 5:
+        codes, d, m = q5_operands(n, k)
+        return pack_q5_blocks(codes, d, m, k), dequantize_q4_blocks(codes, d, m, k)
     codes, d, sc = q6_operands(n, k)
     return pack_q6_blocks(codes, d, sc, k), dequantize_q6_blocks(codes, d, sc, k)
 
@@ -184,6 +213,12 @@ def test_matches_float64_on_the_quantized_operands(n, k, dtype):
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_4_bit_weights_match_float64_on_the_quantized_operands(n, k, dtype):
     check_q4(n, k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_5_bit_weights_match_float64_on_the_stored_operands(n, k, dtype):
+    check_q5(n, k, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -264,7 +299,7 @@ def test_quantize_blocks_gives_the_codes_and_scales_of_a_gguf_q8_0_tensor():
     assert torch.equal(codes, want_codes)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 6])
+@pytest.mark.parametrize("bits", [8, 4, 5, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_row_gets_the_same_bits_with_any_rows_beside_it(n, k, dtype, bits):
@@ -292,7 +327,7 @@ def test_the_thread_count_changes_no_bit():
         assert torch.equal(many, results[0][0]) and torch.equal(one, results[0][1])
 
 
-@pytest.mark.parametrize("bits", [8, 4, 6])
+@pytest.mark.parametrize("bits", [8, 4, 5, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_read_back_from_the_packed_matrix_are_the_dequantized_weight(dtype, bits):
     _, w, _ = _data(131, 201, torch.float32)
@@ -320,7 +355,7 @@ def test_builds_without_the_faster_instructions_give_the_same_bits(
         (shape, dtype, fn): fn(*shape, dtype, rows=40)
         for shape in SHAPES
         for dtype in (torch.float32, torch.bfloat16)
-        for fn in (check, check_q4, check_q6)
+        for fn in (check, check_q4, check_q5, check_q6)
     }
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
@@ -350,6 +385,8 @@ def test_rejects_mismatched_operands():
         pack_q4_blocks(codes4.to(torch.int8), d, m, 8)
     with pytest.raises(ValueError, match="m: float16"):
         pack_q4_blocks(codes4, d, m.float(), 8)
+    with pytest.raises(ValueError, match="d: float16"):
+        pack_q5_blocks(codes4, d.float(), m, 8)
     codes6, d6, sc6 = q6_operands(3, 8)
     with pytest.raises(ValueError, match="sc: int8"):
         pack_q6_blocks(codes6, d6, sc6[:, :1], 8)
@@ -357,7 +394,7 @@ def test_rejects_mismatched_operands():
         pack_q6_blocks(codes6.to(torch.int8), d6, sc6, 8)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 6])
+@pytest.mark.parametrize("bits", [8, 4, 5, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_a_widened_weight_is_the_dequantized_weight(n, k, dtype, bits):
