@@ -37,10 +37,12 @@ import torch.nn.functional as F
 from .cpu_kernels import cache_root, cpu_signature, require_library
 from .cpu_kernels.block_int8_linear import (
     FMT_Q4,
+    FMT_Q5,
     FMT_Q6,
     BlockInt8Weight,
     block_int8_linear,
     blocks_of,
+    pack_q5_blocks,
     pack_q6_blocks,
     widen_blocks,
 )
@@ -118,12 +120,14 @@ WAYS = (_as_stored, _widened)
 
 def _random_weight(n: int, k: int, fmt: int, g: torch.Generator) -> BlockInt8Weight:
     """A random [n, k] weight packed in `fmt` (what the timings need is its format and shape)."""
-    if fmt == FMT_Q6:  # (nothing here quantizes to Q6_K: random codes and scales of its form)
-        nb = blocks_of(k)
-        codes = torch.randint(0, 64, (n, nb * 32), generator=g, dtype=torch.uint8)
+    nb = blocks_of(k)
+    if fmt in (FMT_Q5, FMT_Q6):  # (nothing here quantizes so: random codes and scales of the form)
+        codes = torch.randint(0, 64 if fmt == FMT_Q6 else 32, (n, nb * 32), generator=g)
         d = (torch.rand(n, nb, generator=g) * 1e-3).half()
+        if fmt == FMT_Q5:
+            return pack_q5_blocks(codes.to(torch.uint8), d, -16 * d, k)
         sc = torch.randint(-128, 128, (n, 2 * nb), generator=g, dtype=torch.int8)
-        return pack_q6_blocks(codes, d, sc, k)
+        return pack_q6_blocks(codes.to(torch.uint8), d, sc, k)
     w = torch.randn(n, k, generator=g) / k**0.5
     return BlockInt8Linear.quantize(Linear(w), 4 if fmt == FMT_Q4 else 8).packed
 
