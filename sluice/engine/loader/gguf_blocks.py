@@ -118,7 +118,7 @@ WideBlocks = Int8Blocks | Q5Blocks | Q6Blocks
 
 def stacked(parts: list[WideBlocks]) -> WideBlocks:
     """Matrices stacked by rows (a fused projection's parts): as stored where they share a form,
-    else every part as int8 blocks (a Q6_K matrix beside int8 ones)."""
+    else every part as int8 blocks (a Q6_K matrix beside Q4_K ones read as int8)."""
     if len({type(p) for p in parts}) > 1:
         parts = [p.as_int8() if isinstance(p, (Q5Blocks, Q6Blocks)) else p for p in parts]
     return type(parts[0]).concat(parts)
@@ -194,8 +194,8 @@ class StoredRows:
 class StoredProjections:
     """How a file stores a model's matrices, each read from it when the model builder asks for
     it. By (layer index, projection name as `weight_transforms.PROJECTIONS`): the 4-bit blocks of
-    a projection whose matrices are all stored in 4 bits; the int8 (or Q6_K) blocks of one whose
-    matrices can all be read so (`gguf_to_blocks`); which have a matrix stored in more than 4
+    a projection whose matrices are all stored in 4 bits; the int8, 5-bit or Q6_K blocks of one
+    whose matrices can all be read so (`gguf_to_blocks`); which have a matrix stored in more than 4
     bits (Q5_*, Q6_K, Q8_0: int4 weights keep those wider). And the LM head's blocks (the
     embedding's, when tied), and an untied embedding as the file stores it, where the file's
     types read so."""
