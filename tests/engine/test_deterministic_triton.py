@@ -90,7 +90,7 @@ def test_alone_it_samples_and_reports_logprobs(alone):
 
 def test_inside_a_batch_arriving_mid_run_and_at_other_budgets(model_dir, prompt, alone):
     g = torch.Generator().manual_seed(3)
-    mates = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (1, 9, 30, 45)]
+    mates = [torch.randint(3, 90, (n,), generator=g).tolist() for n in (1, 9, 30)]
     # mates from the second step with room for whole prompts; mates joining a target already
     # decoding, every prompt split into chunks of 12
     for budget, at in ((64, 2), (12, 5)):

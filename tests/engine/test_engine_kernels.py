@@ -79,7 +79,9 @@ CASES = [(name, {}) for name in MODELS] + [
 
 
 @pytest.mark.parametrize(
-    "name,quant", CASES, ids=[f"{n}-{'-'.join(q.values()) or 'plain'}" for n, q in CASES]
+    "name,quant",
+    CASES,
+    ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in q.items()) or 'plain'}" for n, q in CASES],
 )
 def test_triton_kernels_give_the_torch_paths_greedy_tokens(tmp_path, name, quant):
     kind, overrides = MODELS[name]
