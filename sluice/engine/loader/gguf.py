@@ -32,13 +32,13 @@ from ..cpu_kernels.gguf_to_blocks import (
 from ..errors import ModelError
 from .gguf_blocks import (
     FOUR_BIT_TYPES,
+    BlockForm,
     Int4Blocks,
     Int8Blocks,
     Q5Blocks,
     Q6Blocks,
     StoredRows,
     WideBlocks,
-    _Blocks,
     int4_blocks,
 )
 from .lazy_tensors import LazyMapping, LazyTensors, SharedRead
@@ -391,7 +391,7 @@ def _qk_heads(name: str, config: ModelConfig, gguf_arch: str) -> int | None:
     return None
 
 
-Blocks = TypeVar("Blocks", bound=_Blocks)
+Blocks = TypeVar("Blocks", bound=BlockForm)
 
 
 def _read_blocks(

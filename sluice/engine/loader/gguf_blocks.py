@@ -29,7 +29,7 @@ FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-class _Blocks:
+class BlockForm:
     """What the block forms share: stacking by rows and reordering rows (every field is a tensor
     with a row per matrix row)."""
 
@@ -53,7 +53,7 @@ class _Blocks:
 
 
 @dataclass
-class Int4Blocks(_Blocks):
+class Int4Blocks(BlockForm):
     """A [N, K] matrix as 4-bit blocks along K (K a multiple of 32)."""
 
     codes: torch.Tensor  # uint8 [N, K], 0..15
@@ -69,7 +69,7 @@ class Int4Blocks(_Blocks):
 
 
 @dataclass
-class Int8Blocks(_Blocks):
+class Int8Blocks(BlockForm):
     """A [N, K] matrix as int8 blocks along K, w = d q (`cpu_kernels.gguf_to_blocks`: a GGUF
     tensor's own codes where it stores int8 blocks, quantized from its values where not)."""
 
@@ -78,7 +78,7 @@ class Int8Blocks(_Blocks):
 
 
 @dataclass
-class Q6Blocks(_Blocks):
+class Q6Blocks(BlockForm):
     """A [N, K] matrix as GGUF's Q6_K stores it (K a multiple of 256): w = d sc (q - 32), a 6-bit
     code q, an int8 sc each 16 values and a float16 d each 256 (given here for each block of 32,
     so that every field has a row per matrix row)."""
@@ -96,7 +96,7 @@ class Q6Blocks(_Blocks):
 
 
 @dataclass
-class Q5Blocks(_Blocks):
+class Q5Blocks(BlockForm):
     """A [N, K] matrix as 5-bit blocks along K (GGUF's Q5_0, Q5_1, Q5_K: w = d q + m, as
     `Int4Blocks` with a fifth bit)."""
 
