@@ -727,6 +727,52 @@ def test_auto_picks_int4_wherever_a_file_has_4_bit_layers():
     assert quantization_as_stored((), native).quantization is None
 
 
+def stored_llama(tmp_path, type_of, seed: int, extra=None):
+    """A tiny llama GGUF whose layer matrices are stored as `type_of(part)` (a HF part name, as
+    PROJECTION_PARTS lists them; K-quants as random blocks) and whose `extra` tensors (GGUF name
+    -> (HF name, type)) likewise, loaded. Returns (the HF model, the loaded file, file_matrix):
+    file_matrix(hf_name) is a stored matrix's values as the float64 reference decoder reads its
+    bytes, in HF's row order (llama's q and k rows back from the file's rotary order)."""
+    from sluice.engine.loader.tensor_names import PROJECTION_PARTS
+
+    rng = np.random.default_rng(seed)
+    hf = build("llama", hidden_size=256, intermediate_size=256)
+    raws: dict[str, tuple[np.ndarray, Q]] = {}  # by HF name
+
+    def stored(hf_name: str, qtype: Q):
+        def raw_of(t):
+            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0], qtype
+            return raws[hf_name]
+
+        return raw_of
+
+    override = {
+        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(
+            f"model.layers.{i}.{part}.weight", type_of(part)
+        )
+        for i in range(hf.config.num_hidden_layers)
+        for parts in PROJECTION_PARTS.values()
+        for part in parts
+    }
+    for gguf_name, (hf_name, qtype) in (extra or {}).items():
+        override[gguf_name] = stored(hf_name, qtype)
+    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
+    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    c = loaded.config
+
+    def file_matrix(hf_name: str) -> np.ndarray:
+        raw, qtype = raws[hf_name]
+        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+        w = reference_dequantize(flat, qtype, tuple(loaded.tensors[hf_name].shape))
+        if "q_proj" in hf_name:
+            w = unpermute_qk(w, c.num_attention_heads)
+        elif "k_proj" in hf_name:
+            w = unpermute_qk(w, c.num_key_value_heads)
+        return w
+
+    return hf, loaded, file_matrix
+
+
 def test_a_mixed_file_keeps_its_wider_matrices_wider(tmp_path, read_as_floats):
     """A Q4_K_M-like file (Q4_K, with the V projection and the down projection in Q6_K, as
     llama.cpp's mixed files keep their most sensitive matrices wider, and Q8_0 vocabulary
@@ -737,64 +783,29 @@ def test_a_mixed_file_keeps_its_wider_matrices_wider(tmp_path, read_as_floats):
     file's own codes and the embedding's rows are read from the file's blocks (`FileEmbedding`).
     No matrix is read as floats on the way (only the norms are)."""
     from sluice.engine.cpu_kernels.block_int8_linear import FMT_Q4, FMT_Q6, FMT_Q8, widen_blocks
-    from sluice.engine.loader.tensor_names import PROJECTION_PARTS
-
-    rng = np.random.default_rng(2)
-    hf = build("llama", hidden_size=256, intermediate_size=256)
-    layers = hf.config.num_hidden_layers
-    raws: dict[str, tuple[np.ndarray, Q]] = {}
-
-    def stored(hf_name: str, qtype: Q):
-        def raw_of(t):
-            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0], qtype
-            return raws[hf_name]
-
-        return raw_of
 
     wide = ("self_attn.v_proj", "mlp.down_proj")
-    override = {
-        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(
-            f"model.layers.{i}.{part}.weight", Q.Q6_K if part in wide else Q.Q4_K
-        )
-        for i in range(layers)
-        for parts in PROJECTION_PARTS.values()
-        for part in parts
+    vocabulary = {
+        "token_embd.weight": ("model.embed_tokens.weight", Q.Q8_0),
+        "output.weight": ("lm_head.weight", Q.Q8_0),
     }
-    override["token_embd.weight"] = stored("model.embed_tokens.weight", Q.Q8_0)
-    override["output.weight"] = stored("lm_head.weight", Q.Q8_0)
-    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
-    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
+    hf, loaded, file_matrix = stored_llama(
+        tmp_path, lambda part: Q.Q6_K if part in wide else Q.Q4_K, 2, vocabulary
+    )
     assert loaded.stored_formats == ("Q4_K", "Q6_K") and not loaded.config.tie_word_embeddings
     model = built_as_stored(loaded)
     assert read_as_floats and all(name.endswith("norm.weight") for name in read_as_floats)
-    vocab, hidden = hf.config.vocab_size, hf.config.hidden_size
-
-    def file_values(hf_name: str) -> np.ndarray:
-        raw, qtype = raws[hf_name]
-        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-        return reference_dequantize(flat, qtype, (vocab, hidden))
-
     head = widen_blocks(model.lm_head.packed, torch.float32).double().numpy()
-    assert np.array_equal(head, file_values("lm_head.weight"))
-    rows = model.embed_tokens(torch.arange(vocab)).double().numpy()
-    assert np.array_equal(rows, file_values("model.embed_tokens.weight"))
-
-    def matrix(hf_name: str) -> np.ndarray:
-        raw, qtype = raws[hf_name]  # (K-quants: a row of bytes a matrix row)
-        flat = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
-        return reference_dequantize(flat, qtype, (raw.shape[0], 256))
-
-    heads = hf.config.num_attention_heads
+    assert np.array_equal(head, file_matrix("lm_head.weight"))
+    rows = model.embed_tokens(torch.arange(hf.config.vocab_size)).double().numpy()
+    assert np.array_equal(rows, file_matrix("model.embed_tokens.weight"))
     for i, layer in enumerate(model.layers):
         assert layer.o_proj.packed.fmt == FMT_Q4 and layer.gate_up.packed.fmt == FMT_Q4
         assert layer.qkv.packed.fmt == FMT_Q8 and layer.down.packed.fmt == FMT_Q6
         down = widen_blocks(layer.down.packed, torch.float32).double().numpy()
-        assert np.array_equal(down, matrix(f"model.layers.{i}.mlp.down_proj.weight"))
+        assert np.array_equal(down, file_matrix(f"model.layers.{i}.mlp.down_proj.weight"))
         attn = f"model.layers.{i}.self_attn"
-        # (llama's q and k rows as the file orders them for its rotary, back in HF's order)
-        q = unpermute_qk(matrix(f"{attn}.q_proj.weight"), heads)
-        k = unpermute_qk(matrix(f"{attn}.k_proj.weight"), hf.config.num_key_value_heads)
-        want = np.concatenate([q, k, matrix(f"{attn}.v_proj.weight")])
+        want = np.concatenate([file_matrix(f"{attn}.{p}_proj.weight") for p in "qkv"])
         got = widen_blocks(layer.qkv.packed, torch.float32).double().numpy()
         step = np.repeat(np.abs(want).reshape(len(want), -1, 32).max(axis=2) / 127, 32, axis=1)
         # half a step, and the step's float16 rounding times up to 127 (a zero block: exact)
@@ -990,44 +1001,14 @@ def test_5_bit_matrices_keep_the_files_own_blocks(name, tmp_path, read_as_floats
     from sluice.engine.loader.gguf_blocks import stacked
     from sluice.engine.loader.tensor_names import PROJECTION_PARTS
 
-    qtype = Q[name]
-    rng = np.random.default_rng(4)
-    hf = build("llama", hidden_size=256, intermediate_size=256)
-    raws: dict[str, np.ndarray] = {}  # by HF name
-
-    def stored(hf_name: str):
-        def raw_of(t):
-            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0]
-            return raws[hf_name], qtype
-
-        return raw_of
-
-    override = {
-        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(f"model.layers.{i}.{part}.weight")
-        for i in range(hf.config.num_hidden_layers)
-        for parts in PROJECTION_PARTS.values()
-        for part in parts
-    }
-    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
-    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
-    c = loaded.config
+    _, loaded, file_matrix = stored_llama(tmp_path, lambda part: Q[name], 4)
     model = built_as_stored(loaded)
     assert all(not name.startswith("model.layers.") or name.endswith("norm.weight")
                for name in read_as_floats)  # fmt: skip
-
-    def reference(hf_name: str) -> np.ndarray:
-        raw = np.ascontiguousarray(raws[hf_name]).view(np.uint8).reshape(-1)
-        w = reference_dequantize(raw, qtype, tuple(loaded.tensors[hf_name].shape))
-        if "q_proj" in hf_name:
-            w = unpermute_qk(w, c.num_attention_heads)
-        elif "k_proj" in hf_name:
-            w = unpermute_qk(w, c.num_key_value_heads)
-        return w
-
     for i, layer in enumerate(model.layers):
         for projection, parts in PROJECTION_PARTS.items():
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            want = np.concatenate([reference(n) for n in names])
+            want = np.concatenate([file_matrix(n) for n in names])
             packed = getattr(layer, projection).packed
             assert packed.fmt == FMT_Q5, (projection, packed.fmt)
             err = np.abs(widen_blocks(packed, torch.float32).double().numpy() - want)
@@ -1055,47 +1036,17 @@ def test_int4_weights_keep_the_files_own_4_bit_blocks(name, tmp_path):
     from sluice.engine.loader.tensor_names import PROJECTION_PARTS
     from sluice.engine.weights import BlockInt8Linear, Linear
 
-    qtype = Q[name]
-    rng = np.random.default_rng(1)
-    hf = build("llama", hidden_size=256, intermediate_size=256)
+    hf, loaded, file_matrix = stored_llama(tmp_path, lambda part: Q[name], 1)
     layers = hf.config.num_hidden_layers
-    raws: dict[str, np.ndarray] = {}  # by HF name
-
-    def stored(hf_name: str):
-        def raw_of(t):
-            raws[hf_name] = _raw_tensor(qtype, t.shape, rng)[0]
-            return raws[hf_name], qtype
-
-        return raw_of
-
-    override = {
-        f"blk.{i}.{_GGUF_LAYER[part]}.weight": stored(f"model.layers.{i}.{part}.weight")
-        for i in range(layers)
-        for parts in PROJECTION_PARTS.values()
-        for part in parts
-    }
-    write_gguf(tmp_path / "m.gguf", hf, "llama", override=override)
-    loaded = load_model(tmp_path / "m.gguf", load_tokenizer=False)
-    c = loaded.config
     assert loaded.stored_formats == (name,) and len(loaded.int4_blocks) == 7 * layers
     model = build_model(
-        c, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
+        loaded.config, loaded.tensors, quantization="int4", ops=resolve_kernel_ops("native", "cpu"),
         int4_blocks=loaded.int4_blocks,
     )  # fmt: skip
-
-    def reference(hf_name: str) -> np.ndarray:
-        raw = np.ascontiguousarray(raws[hf_name]).view(np.uint8).reshape(-1)
-        w = reference_dequantize(raw, qtype, tuple(loaded.tensors[hf_name].shape))
-        if "q_proj" in hf_name:
-            w = unpermute_qk(w, c.num_attention_heads)
-        elif "k_proj" in hf_name:
-            w = unpermute_qk(w, c.num_key_value_heads)
-        return w
-
     for i, layer in enumerate(model.layers):
         for projection, parts in PROJECTION_PARTS.items():
             names = [f"model.layers.{i}.{part}.weight" for part in parts]
-            want = np.concatenate([reference(n) for n in names])
+            want = np.concatenate([file_matrix(n) for n in names])
             module = getattr(layer, projection)
             err = np.abs(widen_blocks(module.packed, torch.float32).double().numpy() - want)
             float32_part = 1e-6 * np.abs(want).max()
