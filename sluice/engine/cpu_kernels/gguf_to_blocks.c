@@ -14,13 +14,10 @@
  *
  * Scales are returned as float32 (the caller rounds them to float16, as the Python path does).
  *
- * `sluice_gguf_to_int4_blocks` reads a 4-bit tensor's own codes (0..15) with each block of 32's d
- * and m (w = d q + m), as `loader/gguf_blocks.int4_blocks` does with numpy: Q4_1's as stored,
- * Q4_0's m = -8 d, Q4_K's d sc and -(dmin mn) (float32 products, exact; rounded to float16 by the
- * caller).
- *
- * `sluice_gguf_to_q5_blocks` reads a 5-bit tensor's own codes (0..31) with each block of 32's d and
- * m (w = d q + m): Q5_1's as stored, Q5_0's m = -16 d, Q5_K's d sc and -(dmin mn) as for Q4_K.
+ * `sluice_gguf_to_dm_blocks` reads a 4- or 5-bit tensor's own codes (0..15, 0..31) with each
+ * block of 32's d and m (w = d q + m), the 4-bit ones as `loader/gguf_blocks.int4_blocks` does
+ * with numpy: Q4_1's and Q5_1's as stored, Q4_0's m = -8 d, Q5_0's m = -16 d, Q4_K's and Q5_K's
+ * d sc and -(dmin mn) (float32 products, exact; rounded to float16 by the caller).
  *
  * `sluice_gguf_to_q6_blocks` reads a Q6_K tensor's own codes (0..63), int8 scales and float16 d,
  * for `block_int8_linear.c`'s 6-bit format: the file's values, not quantized again.
@@ -94,7 +91,15 @@ static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
 }
 
 /* Values of a type's unit: a block of 32, or a K-quant's super-block of 256. */
-static int unit_of(int type) { return (type == T_Q4_K || type == T_Q6_K) ? 256 : 32; }
+static int unit_of(int type) {
+    return (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) ? 256 : 32;
+}
+
+/* Whether `decode_unit` decodes the type (what the int8 blocks and the rows are read from). */
+static int decoded(int type) {
+    return type == T_Q8_0 || type == T_Q5_0 || type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K ||
+           type == T_Q6_K;
+}
 
 /* Unit `u` of a row's bytes decoded to its float32 values, as numpy's decoders compute them. */
 static void decode_unit(const uint8_t *raw, int type, int64_t u, float *v) {
@@ -243,7 +248,7 @@ int64_t sluice_gguf_row_bytes(int type, int64_t K) {
 int sluice_gguf_to_int8_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K, int8_t *codes,
                                float *scales, int num_threads) {
     const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
-    if (row_bytes == 0 || K % unit_of(type) != 0) return -1;
+    if (!decoded(type) || K % unit_of(type) != 0) return -1;
     const int64_t nb = K / KB;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
     for (int64_t r = 0; r < rows; r++)
@@ -251,85 +256,48 @@ int sluice_gguf_to_int8_blocks(const uint8_t *raw, int type, int64_t rows, int64
     return 0;
 }
 
-/* rows x K values of a 4-bit type (Q4_0, Q4_1, Q4_K) -> codes uint8 [rows, K] in 0..15, d and m
- * float32 [rows, K / 32]. Returns -1 for another type or a K it cannot read, else 0. */
-int sluice_gguf_to_int4_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K,
-                               uint8_t *codes, float *d_out, float *m_out, int num_threads) {
-    const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
-    if (!(type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K) || K % unit_of(type) != 0) return -1;
-    const int64_t nb = K / KB;
+/* rows x K values of a type stored as codes with a d and an m a block of 32 (w = d q + m): the
+ * 4-bit Q4_0, Q4_1, Q4_K (codes 0..15) and the 5-bit Q5_0, Q5_1, Q5_K (0..31) -> codes uint8
+ * [rows, K], d and m float32 [rows, K / 32]. Returns -1 for another type or a K it cannot read,
+ * else 0. */
+int sluice_gguf_to_dm_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K, uint8_t *codes,
+                             float *d_out, float *m_out, int num_threads) {
+    const int five = type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K;
+    const int four = type == T_Q4_0 || type == T_Q4_1 || type == T_Q4_K;
+    if (!(four || five) || K % unit_of(type) != 0) return -1;
+    const int64_t row_bytes = sluice_gguf_row_bytes(type, K), nb = K / KB;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *row = raw + r * row_bytes;
         uint8_t *q = codes + r * K;
         float *d = d_out + r * nb, *m = m_out + r * nb;
-        if (type == T_Q4_K) {
+        if (type == T_Q4_K || type == T_Q5_K) { /* d, dmin, 12 bytes of scales, Q5_K's qh, qs */
+            const int size = five ? 176 : 144, qs_at = five ? 48 : 16;
             for (int64_t s = 0; s < nb / 8; s++) {
-                const uint8_t *blk = row + 144 * s;
+                const uint8_t *blk = row + size * s, *qh = blk + 16;
                 const float sd = f16_to_f32(blk), smin = f16_to_f32(blk + 2);
                 for (int j = 0; j < 8; j++) { /* block j: group j / 2, low or high nibbles */
                     int sc, mn;
                     k_scale_min(blk + 4, j, &sc, &mn);
                     d[8 * s + j] = sd * (float)sc;
                     m[8 * s + j] = -(smin * (float)mn);
-                    const uint8_t *qs = blk + 16 + 32 * (j / 2);
-                    for (int l = 0; l < 32; l++)
-                        q[KB * (8 * s + j) + l] = (j & 1) ? qs[l] >> 4 : qs[l] & 0x0f;
-                }
-            }
-        } else {
-            const int size = type == T_Q4_0 ? 18 : 20;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + size * b, *qs = blk + size - 16;
-                d[b] = f16_to_f32(blk);
-                m[b] = type == T_Q4_0 ? -8.0f * d[b] : f16_to_f32(blk + 2);
-                for (int j = 0; j < 16; j++) {
-                    q[KB * b + j] = qs[j] & 0x0f;
-                    q[KB * b + j + 16] = qs[j] >> 4;
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-/* rows x K values of a 5-bit type (Q5_0, Q5_1, Q5_K) -> codes uint8 [rows, K] in 0..31, d and m
- * float32 [rows, K / 32] (w = d q + m). Returns -1 for another type or a K it cannot read, else 0. */
-int sluice_gguf_to_q5_blocks(const uint8_t *raw, int type, int64_t rows, int64_t K, uint8_t *codes,
-                             float *d_out, float *m_out, int num_threads) {
-    const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
-    const int unit = type == T_Q5_K ? 256 : 32;
-    if (!(type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K) || K % unit != 0) return -1;
-    const int64_t nb = K / KB;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * K > 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = raw + r * row_bytes;
-        uint8_t *q = codes + r * K;
-        float *d = d_out + r * nb, *m = m_out + r * nb;
-        if (type == T_Q5_K) {
-            for (int64_t s = 0; s < nb / 8; s++) {
-                const uint8_t *blk = row + 176 * s, *qh = blk + 16, *ql = blk + 48;
-                const float sd = f16_to_f32(blk), smin = f16_to_f32(blk + 2);
-                for (int j = 0; j < 8; j++) { /* block j: low or high nibbles of 32 bytes */
-                    int sc, mn;
-                    k_scale_min(blk + 4, j, &sc, &mn);
-                    d[8 * s + j] = sd * (float)sc;
-                    m[8 * s + j] = -(smin * (float)mn);
-                    const uint8_t *qs = ql + 32 * (j / 2);
+                    const uint8_t *qs = blk + qs_at + 32 * (j / 2);
                     for (int l = 0; l < 32; l++) {
                         const int low = (j & 1) ? qs[l] >> 4 : qs[l] & 0x0f;
-                        q[KB * (8 * s + j) + l] = (uint8_t)(low | (((qh[l] >> j) & 1) << 4));
+                        const int top = five ? ((qh[l] >> j) & 1) << 4 : 0;
+                        q[KB * (8 * s + j) + l] = (uint8_t)(low | top);
                     }
                 }
             }
-        } else {
-            const int size = type == T_Q5_0 ? 22 : 24, at = size - 20; /* qh, then 16 qs */
+        } else { /* d, Q4_1's and Q5_1's m, the 5-bit types' 32 top bits, 16 bytes of nibbles */
+            const int size = (int)(row_bytes / nb);
+            const float m_of_d = type == T_Q4_0 ? -8.0f : type == T_Q5_0 ? -16.0f : 0.0f;
             for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + size * b, *qs = blk + at + 4;
-                uint32_t qh;
-                memcpy(&qh, blk + at, 4);
+                const uint8_t *blk = row + size * b, *qs = blk + size - 16;
+                uint32_t qh = 0;
+                if (five) memcpy(&qh, blk + size - 20, 4);
                 d[b] = f16_to_f32(blk);
-                m[b] = type == T_Q5_0 ? -16.0f * d[b] : f16_to_f32(blk + 2);
+                m[b] = m_of_d != 0.0f ? m_of_d * d[b] : f16_to_f32(blk + 2);
                 for (int j = 0; j < 16; j++) {
                     q[KB * b + j] = (uint8_t)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
                     q[KB * b + j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
@@ -376,7 +344,7 @@ int sluice_gguf_to_q6_blocks(const uint8_t *raw, int64_t rows, int64_t K, uint8_
 int sluice_gguf_rows(const uint8_t *raw, int type, int64_t N, int64_t K, const int64_t *ids,
                      int64_t T, float *out) {
     const int64_t row_bytes = sluice_gguf_row_bytes(type, K);
-    if (row_bytes == 0 || K % unit_of(type) != 0) return -1;
+    if (!decoded(type) || K % unit_of(type) != 0) return -1;
     for (int64_t t = 0; t < T; t++)
         if (ids[t] < 0 || ids[t] >= N) return -2;
     const int unit = unit_of(type);

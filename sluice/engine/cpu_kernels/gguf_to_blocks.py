@@ -23,11 +23,19 @@ import torch
 from . import require_library
 
 # GGML's numbers for the types the native code reads
-TYPE_NUMBERS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
-INT8_TYPES = tuple(TYPE_NUMBERS)
+TYPE_NUMBERS = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+}
+INT8_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")  # (and the rows read from them)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-Q5_NUMBERS = {"Q5_0": 6, "Q5_1": 7, "Q5_K": 13}
-Q5_TYPES = tuple(Q5_NUMBERS)
+Q5_TYPES = ("Q5_0", "Q5_1", "Q5_K")
 BLOCK = 32
 
 
@@ -65,23 +73,7 @@ def gguf_int4_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A [N, K] tensor stored in 4 bits as its codes uint8 [N, K] (0..15) and each block's d and m
     float16 [N, K / 32] (w = d q + m)."""
-    data = _bytes_of(raw, type_name, shape, INT4_TYPES)
-    n, k = shape
-    codes = torch.empty(n, k, dtype=torch.uint8)
-    d, m = (torch.empty(n, k // BLOCK, dtype=torch.float32) for _ in range(2))
-    rc = require_library().sluice_gguf_to_int4_blocks(
-        data.ctypes.data,
-        TYPE_NUMBERS[type_name],
-        n,
-        k,
-        codes.data_ptr(),
-        d.data_ptr(),
-        m.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if rc != 0:
-        raise ValueError(f"K = {k} does not split into {type_name} blocks")
-    return codes, d.to(torch.float16), m.to(torch.float16)
+    return _dm_blocks(raw, type_name, shape, INT4_TYPES)
 
 
 def gguf_q5_blocks(
@@ -90,18 +82,19 @@ def gguf_q5_blocks(
     """A [N, K] tensor stored in 5 bits (Q5_0, Q5_1, Q5_K) as its codes uint8 [N, K] (0..31) and
     each block's d and m float16 [N, K / 32] (w = d q + m; Q5_K's d sc and -(dmin mn) rounded to
     float16, as Q4_K's are)."""
-    if type_name not in Q5_TYPES:
-        raise ValueError(f"{type_name} is not read so ({', '.join(Q5_TYPES)})")
+    return _dm_blocks(raw, type_name, shape, Q5_TYPES)
+
+
+def _dm_blocks(
+    raw: np.ndarray, type_name: str, shape: tuple[int, int], types: tuple[str, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    data = _bytes_of(raw, type_name, shape, types)
     n, k = shape
-    lib = require_library()
-    data = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    if data.size != n * lib.sluice_gguf_row_bytes(Q5_NUMBERS[type_name], k):
-        raise ValueError(f"{data.size} bytes are not a [{n}, {k}] {type_name} tensor")
     codes = torch.empty(n, k, dtype=torch.uint8)
     d, m = (torch.empty(n, k // BLOCK, dtype=torch.float32) for _ in range(2))
-    rc = lib.sluice_gguf_to_q5_blocks(
+    rc = require_library().sluice_gguf_to_dm_blocks(
         data.ctypes.data,
-        Q5_NUMBERS[type_name],
+        TYPE_NUMBERS[type_name],
         n,
         k,
         codes.data_ptr(),
