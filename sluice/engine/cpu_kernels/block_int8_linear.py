@@ -147,14 +147,19 @@ def pack_q5_blocks(
     return _pack_dm(codes, d, m, k, FMT_Q5)
 
 
+def _expect(k: int, **operands: tuple[torch.Tensor, torch.dtype, int]) -> None:
+    """Each packer operand `name=(tensor, dtype, columns per block of 32)` as [N, that x Kp / 32]
+    of that dtype, N the first operand's rows (a ValueError naming the first that is not)."""
+    n, nb = next(iter(operands.values()))[0].shape[0], blocks_of(k)
+    for name, (t, dtype, per_block) in operands.items():
+        if t.dtype != dtype or t.shape != (n, per_block * nb) or k < 1:
+            want = f"{str(dtype).removeprefix('torch.')} [{n}, {per_block * nb}]"
+            raise ValueError(f"{name}: {want} expected, got {t.dtype} {tuple(t.shape)}")
+
+
 def _pack_dm(codes, d, m, k: int, fmt: int) -> BlockInt8Weight:
     n = codes.shape[0]
-    nb = blocks_of(k)
-    if codes.dtype != torch.uint8 or codes.shape != (n, nb * BLOCK) or k < 1:
-        raise ValueError(f"codes: uint8 [N, {nb * BLOCK}] expected, got {tuple(codes.shape)}")
-    for name, t in (("d", d), ("m", m)):
-        if t.dtype != torch.float16 or t.shape != (n, nb):
-            raise ValueError(f"{name}: float16 [{n}, {nb}] expected, got {tuple(t.shape)}")
+    _expect(k, codes=(codes, torch.uint8, BLOCK), d=(d, torch.float16, 1), m=(m, torch.float16, 1))
     lib = require_library()
     size, pack = (
         (lib.sluice_block_q5_packed_bytes, lib.sluice_block_q5_pack)
@@ -173,13 +178,7 @@ def pack_q6_blocks(
     """6-bit codes uint8 [N, Kp] (0..63, w = d sc (q - 32)), d float16 [N, Kp / 32] (each block's
     super-block's) and sc int8 [N, Kp / 16] packed for the kernel."""
     n = codes.shape[0]
-    nb = blocks_of(k)
-    if codes.dtype != torch.uint8 or codes.shape != (n, nb * BLOCK) or k < 1:
-        raise ValueError(f"codes: uint8 [N, {nb * BLOCK}] expected, got {tuple(codes.shape)}")
-    if d.dtype != torch.float16 or d.shape != (n, nb):
-        raise ValueError(f"d: float16 [{n}, {nb}] expected, got {tuple(d.shape)}")
-    if sc.dtype != torch.int8 or sc.shape != (n, 2 * nb):
-        raise ValueError(f"sc: int8 [{n}, {2 * nb}] expected, got {tuple(sc.shape)}")
+    _expect(k, codes=(codes, torch.uint8, BLOCK), d=(d, torch.float16, 1), sc=(sc, torch.int8, 2))
     lib = require_library()
     data = torch.empty(lib.sluice_block_q6_packed_bytes(n, k), dtype=torch.uint8)
     c, dd, ss = codes.contiguous(), d.contiguous(), sc.contiguous()
@@ -199,11 +198,7 @@ def pack_blocks(codes: torch.Tensor, scales: torch.Tensor, k: int) -> BlockInt8W
     """Codes int8 [N, Kp] and scales float16 [N, Kp / 32] (`quantize_blocks`, or a GGUF Q8_0
     tensor's own) packed for the kernel."""
     n = codes.shape[0]
-    nb = blocks_of(k)
-    if codes.dtype != torch.int8 or codes.shape != (n, nb * BLOCK) or k < 1:
-        raise ValueError(f"codes: int8 [N, {nb * BLOCK}] expected, got {tuple(codes.shape)}")
-    if scales.dtype != torch.float16 or scales.shape != (n, nb):
-        raise ValueError(f"scales: float16 [{n}, {nb}] expected, got {tuple(scales.shape)}")
+    _expect(k, codes=(codes, torch.int8, BLOCK), scales=(scales, torch.float16, 1))
     if codes.device.type != "cpu":
         raise ValueError(f"a CPU weight expected, got one on {codes.device}")
     lib = require_library()
