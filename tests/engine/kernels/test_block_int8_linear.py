@@ -203,28 +203,16 @@ def packed_weight(w: torch.Tensor, bits: int):
     return pack_q6_blocks(codes, d, sc, k), dequantize_q6_blocks(codes, d, sc, k)
 
 
+@pytest.mark.parametrize(
+    "checked",
+    [check, check_q4, check_q5, check_q6],
+    ids=["int8", "4-bit", "5-bit", "6-bit"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_matches_float64_on_the_quantized_operands(n, k, dtype):
-    check(n, k, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_4_bit_weights_match_float64_on_the_quantized_operands(n, k, dtype):
-    check_q4(n, k, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_5_bit_weights_match_float64_on_the_stored_operands(n, k, dtype):
-    check_q5(n, k, dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_6_bit_weights_match_float64_on_the_stored_operands(n, k, dtype):
-    check_q6(n, k, dtype)
+def test_matches_float64_on_the_stored_operands(n, k, dtype, checked):
+    """Each format against its contract in float64 (`check`, `check_q4`, `check_q5`, `check_q6`)."""
+    checked(n, k, dtype)
 
 
 def test_6_bit_values_are_those_of_the_codes_exactly():
