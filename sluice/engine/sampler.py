@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.softmax_math import TORCH_SOFTMAX, SoftmaxMath
 from sluice.engine.truncated_draw import draw_torch, row_index
 
 if TYPE_CHECKING:
@@ -118,7 +119,8 @@ class Sampler:
 
         logprobs: list[TokenLogprobs | None] = [None] * n
         if any(p.logprobs is not None for p in params):
-            _fill_logprobs(logprobs, x, tokens, params)
+            softmax = self.ops.softmax_math if self.ops is not None else TORCH_SOFTMAX
+            _fill_logprobs(logprobs, x, tokens, params, softmax)
         return SamplerOutput(tokens.tolist(), logprobs)
 
 
@@ -169,10 +171,11 @@ def _fill_logprobs(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     params: Sequence[SamplingParams],
+    softmax: SoftmaxMath,
 ) -> None:
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     index = row_index(rows, logits.device)
-    lp = torch.log_softmax(logits[index], dim=-1)
+    lp = softmax.log_softmax(logits[index])
     chosen_ids = tokens[index]
     chosen = lp.gather(1, chosen_ids.unsqueeze(1))
     ranks = (lp > chosen).sum(dim=-1, dtype=torch.int32) + 1

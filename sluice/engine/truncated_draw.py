@@ -12,6 +12,7 @@ import torch
 
 from sluice.engine.draws import uniform
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.softmax_math import TORCH_SOFTMAX, SoftmaxMath
 
 # Top-p without top-k first looks at this many most likely tokens; rows whose nucleus is wider
 # (a flat distribution) are redone over the whole vocabulary.
@@ -47,10 +48,13 @@ def _narrows(p: SamplingParams, vocab: int) -> bool:
 
 
 def draw_torch(
-    logits: torch.Tensor, params: Sequence[SamplingParams], words: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    words: Sequence[int],
+    softmax: SoftmaxMath = TORCH_SOFTMAX,
 ) -> torch.Tensor:
     """One token per row from the truncated softmax of `logits` (not modified), by inverse CDF at
-    the uniform number of the row's random word."""
+    the uniform number of the row's random word; `softmax` does the softmax arithmetic."""
     device = logits.device
     u = torch.tensor([uniform(w) for w in words], dtype=torch.float32, device=device)
     tokens = torch.empty(len(params), dtype=torch.long, device=device)
@@ -59,20 +63,22 @@ def draw_torch(
     if narrow:  # sample among the candidates only
         rows = row_index(narrow, device)
         vals, idx = _candidates(
-            logits[rows] if len(narrow) < len(params) else logits, [params[i] for i in narrow]
+            logits[rows] if len(narrow) < len(params) else logits,
+            [params[i] for i in narrow],
+            softmax,
         )
-        tokens[rows] = idx.gather(1, _inverse_cdf(vals, u[rows]).unsqueeze(1)).squeeze(1)
+        tokens[rows] = idx.gather(1, _inverse_cdf(vals, u[rows], softmax).unsqueeze(1)).squeeze(1)
     if wide:
         rows = row_index(wide, device)
         sub = logits[rows] if len(wide) < len(params) else logits
-        tokens[rows] = _inverse_cdf(_min_p(sub, [params[i] for i in wide]), u[rows])
+        tokens[rows] = _inverse_cdf(_min_p(sub, [params[i] for i in wide]), u[rows], softmax)
     return tokens
 
 
-def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor, softmax: SoftmaxMath) -> torch.Tensor:
     """Column drawn per row from softmax(logits) (-inf = never), given one uniform per row."""
-    probs = torch.softmax(logits, dim=-1)
-    cdf = probs.cumsum(dim=-1)
+    probs = softmax.softmax(logits)
+    cdf = softmax.cumsum(probs)
     total = cdf[:, -1:]
     # u * total < total, so the column found has cdf[j-1] <= target < cdf[j], i.e. probs[j] > 0.
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -96,18 +102,18 @@ def _min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
 
 
 def _candidates(
-    logits: torch.Tensor, params: Sequence[SamplingParams]
+    logits: torch.Tensor, params: Sequence[SamplingParams], softmax: SoftmaxMath = TORCH_SOFTMAX
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For rows with top-k and/or top-p: (logits, token ids) of the best candidates, best first,
     with -inf where min-p, top-k or top-p drops a candidate."""
     vocab = logits.shape[1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     width = min(vocab, max(max(ks), 0 if all(ks) else _TOP_P_CANDIDATES))
-    vals, idx, short = _top_k_top_p(logits, params, ks, width)
+    vals, idx, short = _top_k_top_p(logits, params, ks, width, softmax)
     if short:  # nucleus wider than the candidates: redo those rows over the whole vocabulary
         rows = row_index(short, logits.device)
         full_vals, full_idx, _ = _top_k_top_p(
-            logits[rows], [params[i] for i in short], [ks[i] for i in short], vocab
+            logits[rows], [params[i] for i in short], [ks[i] for i in short], vocab, softmax
         )
         pad = vocab - width
         vals = torch.nn.functional.pad(vals, (0, pad), value=-math.inf)
@@ -117,7 +123,11 @@ def _candidates(
 
 
 def _top_k_top_p(
-    logits: torch.Tensor, params: Sequence[SamplingParams], ks: list[int], width: int
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    ks: list[int],
+    width: int,
+    softmax: SoftmaxMath,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Min-p, top-k (k=0: none), then top-p, over each row's `width` best tokens. Also returns the
     rows without top-k whose top-p set might reach past those."""
@@ -139,16 +149,17 @@ def _top_k_top_p(
     if any(p < 1 for p in top_p):
         # Mass is measured over what min-p and top-k left: the candidates if top-k cut the row,
         # else the whole row (its best `width` tokens may not hold all of it).
-        norm = vals.logsumexp(dim=-1)
+        norm = softmax.logsumexp(vals)
         no_k = [i for i, k in enumerate(ks) if not k and top_p[i] < 1]
         if no_k and width < logits.shape[1]:
             rows = row_index(no_k, device)
-            norm[rows] = _min_p(logits[rows], [params[i] for i in no_k]).logsumexp(dim=-1)
-        probs = (vals - norm.unsqueeze(1)).exp()
-        before = probs.cumsum(dim=-1) - probs  # mass of the better candidates
+            norm[rows] = softmax.logsumexp(_min_p(logits[rows], [params[i] for i in no_k]))
+        probs = softmax.exp_shifted(vals, norm)
+        mass = softmax.cumsum(probs)
+        before = mass - probs  # mass of the better candidates
         # top_p == 1 must keep everything, whatever rounding does to the running sum.
         limit = torch.tensor([p if p < 1 else math.inf for p in top_p], device=device).unsqueeze(1)
         vals = vals.masked_fill(before >= limit, -math.inf)
         if width < logits.shape[1]:
-            short = ((~has_k) & (probs.sum(dim=-1) < limit.squeeze(1))).nonzero().flatten().tolist()
+            short = ((~has_k) & (mass[:, -1] < limit.squeeze(1))).nonzero().flatten().tolist()
     return vals, idx, short

@@ -40,15 +40,21 @@ SOURCES = (
     "decoder_layers.c",
     "page_reserve.c",
     "gguf_to_blocks.c",
+    "row_softmax.c",
 )
 HEADERS = ("simd.h",)
-# -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps
+# -fno-trapping-math lets floorf (in the vectorized exp) vectorize; nothing here relies on FP traps.
+# -ffp-contract=off: a multiply and an add round apart on every CPU, as one without FMA does (the
+# compiler would otherwise fuse them where the CPU has FMA, and the bits would depend on the build);
+# a kernel that wants a fused multiply-add writes one on every path (`fmaf`, or an intrinsic with
+# its portable twin), so deterministic mode's bits are the same at every instruction-set level.
 FLAGS = (
     "-O3",
     "-march=native",
     "-fopenmp",
     "-fno-math-errno",
     "-fno-trapping-math",
+    "-ffp-contract=off",
     "-shared",
     "-fPIC",
 )
@@ -107,6 +113,14 @@ def build_description() -> str | None:
     None where the kernels are unavailable."""
     library()
     return _state.get("build")  # type: ignore[return-value]
+
+
+def uses_bf16_dot() -> bool:
+    """Whether the loaded kernels multiply bfloat16 with the AVX512-BF16 instructions (`simd.h`):
+    they add products in pairs and round to bfloat16 their own way, so bfloat16 has bits of its
+    own on such a build (-DSLUICE_NO_BF16_DOT builds the other CPUs' arithmetic)."""
+    lib = library()
+    return lib is not None and bool(lib.sluice_bf16_dot())
 
 
 class _Unavailable(Exception):
@@ -324,6 +338,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sluice_block_q5_packed_bytes": (i64, [i64, i64]),
         "sluice_block_q5_pack": (None, [ptr, ptr, ptr, i64, i64, ptr]),
         "sluice_gguf_rows": (i32, [ptr, i32, i64, i64, ptr, i64, ptr]),
+        "sluice_bf16_dot": (i32, []),
+        "sluice_row_logsumexp": (None, [ptr, i64, i64, i64, ptr, i32]),
+        "sluice_row_exp_shifted": (None, [ptr, i64, ptr, i64, i64, ptr, i32]),
+        "sluice_row_cumsum": (None, [ptr, i64, i64, i64, ptr]),
         "sluice_reserve_start": (ptr, [ptr, ptr, i64, i64]),
         "sluice_reserve_state": (i32, [ptr]),
         "sluice_reserve_seconds": (ctypes.c_double, [ptr]),

@@ -4,8 +4,9 @@
  * A BLAS or oneDNN picks its blocking over K, and its kernel, by the shape of the call, so a row's
  * result can change with the rows beside it (measured: oneDNN's float32 matmul at SmolLM2's down
  * projection, K = 1536, gives row 0 different bits at 5 rows than at 1). Here element (m, n) is
- * one running sum in float32 over k = 0, 1, ..., K - 1 in order, one fused multiply-add a step
- * (with the bfloat16 dot instruction, one step per pair k, k + 1, as that instruction adds them);
+ * one running sum in float32 over k = 0, 1, ..., K - 1 in order, one fused multiply-add a step on
+ * every build (`fma_vf`; with the bfloat16 dot instruction, one step per pair k, k + 1, as that
+ * instruction adds them);
  * then the bias, then one rounding to bfloat16 for a bfloat16 output. Tiles of rows x 32 columns
  * share their loads; which tile an element falls in, and which thread computes it, change only
  * the speed. Threads split the work by blocks of rows and columns, never along K.
@@ -20,11 +21,15 @@
  * Layouts: x [M, K] with row stride x_stride, bias [N] or NULL, out [M, N] with row stride
  * out_stride; all float32, or all bfloat16 (`bf16`), arithmetic in float32.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "simd.h"
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #define NR 32 /* columns of a panel */
 #if defined(__AVX512F__)
@@ -53,7 +58,26 @@ static inline vf widen_vf(const uint16_t *p) {
 }
 #endif
 #define NV (NR / VW) /* vectors a panel row */
+
+/* acc + x w, one rounding, on every build: the FMA instruction where the target has one, else
+ * fmaf lane by lane (the same result, slowly: only x86 CPUs from before 2013 lack FMA). Written
+ * out because the kernels are compiled without contraction (`cpu_kernels.FLAGS`); the Triton
+ * matmul's tl.fma is the same step. */
+static inline vf fma_vf(vf acc, float x, vf w) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps(_mm512_set1_ps(x), (__m512)w, (__m512)acc);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps(_mm256_set1_ps(x), (__m256)w, (__m256)acc);
+#else
+    vf r;
+    for (int l = 0; l < VW; l++) r[l] = fmaf(x, w[l], acc[l]);
+    return r;
+#endif
+}
 #define BLOCK_M (MR * 16)
+
+/* Whether this build uses the bfloat16 dot instruction (its bfloat16 sums pair k). */
+int sluice_bf16_dot(void) { return HAVE_BF16_DOT; }
 
 static inline int64_t panels(int64_t n) { return (n + NR - 1) / NR; }
 
@@ -105,7 +129,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
             for (int v = 0; v < NV; v++) wv[v] = load_vf(w + k * NR + v * VW);
             for (int i = 0; i < mr; i++) {
                 const float xv = xf[i * xs + k];
-                for (int v = 0; v < NV; v++) acc[i][v] += xv * wv[v];
+                for (int v = 0; v < NV; v++) acc[i][v] = fma_vf(acc[i][v], xv, wv[v]);
             }
         }
     } else {
@@ -132,7 +156,7 @@ static inline __attribute__((always_inline)) void tile(const void *x, int64_t xs
             for (int v = 0; v < NV; v++) wv[v] = widen_vf(w + k * NR + v * VW);
             for (int i = 0; i < mr; i++) {
                 const float xv = bf16_to_float(xh[i * xs + k]);
-                for (int v = 0; v < NV; v++) acc[i][v] += xv * wv[v];
+                for (int v = 0; v < NV; v++) acc[i][v] = fma_vf(acc[i][v], xv, wv[v]);
             }
         }
 #endif

@@ -27,9 +27,17 @@ static void add_rmsnorm_row_f32(const float *restrict x, const float *restrict r
         for (int i = 0; i < width; i++) res_out[i] = x[i] + res[i];
         r = res_out;
     }
+    /* 16 lanes whatever the vector width (an OpenMP simd reduction would take the register's
+     * lane count: other bits on an AVX-512, an AVX2 and an SSE2 build), then the lanes in order */
+    const int vec = width - width % 16;
+    v16f ssv = {0};
+    for (int i = 0; i < vec; i += 16) {
+        const v16f v = load16(r + i);
+        ssv += v * v;
+    }
     float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < width; i++) ss += r[i] * r[i];
+    for (int c = 0; c < 16; c++) ss += ssv[c];
+    for (int i = vec; i < width; i++) ss += r[i] * r[i];
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
 #pragma omp simd
     for (int i = 0; i < width; i++) out[i] = w[i] * (r[i] * inv);

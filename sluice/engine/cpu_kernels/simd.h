@@ -41,6 +41,40 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+/* log(x) for a normal positive x, in single precision from its exponent and mantissa (no libm:
+ * glibc picks an FMA or a plain logf by CPU, and they may differ in the last bit). x = 2^e m with m
+ * in [sqrt(1/2), sqrt(2)); log(m) from the Cephes degree-9 polynomial in m - 1; log 2 split in
+ * two parts as in exp_nonpositive. Relative error ~1e-7, like logf. */
+static inline float log_positive(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int e = (int)(bits >> 23) - 126; /* x = 2^e m', m' in [0.5, 1) */
+    bits = (bits & 0x007fffffu) | 0x3f000000u;
+    float m;
+    memcpy(&m, &bits, sizeof m);
+    if (m < 0.707106781186547524f) {
+        e -= 1;
+        m = m + m - 1.0f;
+    } else {
+        m = m - 1.0f;
+    }
+    const float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = y * m - 1.1514610310e-1f;
+    y = y * m + 1.1676998740e-1f;
+    y = y * m - 1.2420140846e-1f;
+    y = y * m + 1.4249322787e-1f;
+    y = y * m - 1.6668057665e-1f;
+    y = y * m + 2.0000714765e-1f;
+    y = y * m - 2.4999993993e-1f;
+    y = y * m + 3.3333331174e-1f;
+    y = y * m * z;
+    const float fe = (float)e;
+    y = y + fe * -2.12194440e-4f;
+    y = y - 0.5f * z;
+    return m + y + fe * 0.693359375f;
+}
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 

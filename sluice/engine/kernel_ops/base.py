@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from ..softmax_math import TORCH_SOFTMAX, SoftmaxMath
+
 if TYPE_CHECKING:
     from ..paged_cache import LayerKVCache
     from ..rope import RotaryEmbedding
@@ -57,6 +59,9 @@ class KernelOps(ABC):
     # alone: what other layers add (Gemma's norms, GELU) runs through torch, whose vector and
     # scalar code may round an element differently by its place in the tensor
     fixes_plain_layers_only: ClassVar[bool] = False
+    # The softmax arithmetic of the sampler's logprobs and of `draw` where the family uses
+    # `truncated_draw` (torch's; a deterministic family's own order where it promises bits)
+    softmax_math: ClassVar[SoftmaxMath] = TORCH_SOFTMAX
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ConfigError if this family cannot run a model of `spec` at all (most fall back

@@ -17,10 +17,15 @@ threads ran it.
   native family does: torch computes a tensor's last elements with scalar code and the rest with
   vector code, so the same position could otherwise round differently in a step of another size);
 - RMSNorm, SiLU, the KV write: the native kernels, one row at a time already;
-- the sampler: torch's row-wise softmax, cumsum and top-k, one random word per row.
+- the sampler: its softmax arithmetic (logprobs' log-softmax, top-p's masses, the inverse CDF)
+  through `row_softmax` (`FixedOrderSoftmax`: sums in 16 lanes, its own exp and log), torch's
+  top-k (a selection: no arithmetic), one random word per row.
 
-The numerics still depend on the CPU's instruction set (16-lane vectors on any x86, but FMA and
-bfloat16 dot instructions where present): the same class of CPU gives the same bits.
+One arithmetic at every instruction-set level the kernels are built for: no multiply and add is
+fused unless every path fuses it (`cpu_kernels.FLAGS`), every sum in the C kernels takes 16 lanes
+whatever the vector width, and torch computes nothing here whose bits depend on the CPU (its
+softmax would). One exception: bfloat16 on a CPU with the bfloat16 dot instruction (AVX512-BF16)
+pairs k in the matmuls (`fixed_order_linear`), so bfloat16 there has bits of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import replace
 from torch import nn
 
 from ..errors import ConfigError
+from ..softmax_math import FixedOrderSoftmax
 from ..step_plan import AttentionSpec, StepPlan, prefill_rows
 from ..weights import BlockInt8Linear, FixedOrderLinear
 from .native_ops import NativeOps, c_attention_served
@@ -41,6 +47,7 @@ class DeterministicOps(NativeOps):
     measures_widening = False  # (its int8 steps are never widened: the same bits at every size)
     decodes_in_one_call = False  # decodes go through the prefill kernel (`plan`)
     fixes_plain_layers_only = True
+    softmax_math = FixedOrderSoftmax()
 
     def check(self, spec: AttentionSpec) -> None:
         served, prefill_served = c_attention_served(spec)

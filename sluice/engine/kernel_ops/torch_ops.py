@@ -77,7 +77,7 @@ class TorchOps(KernelOps):
         return layer(x)
 
     def draw(self, logits, params: Sequence[SamplingParams], words: Sequence[int]):
-        return draw_torch(logits, params, words)
+        return draw_torch(logits, params, words, self.softmax_math)
 
 
 def _compact(plan: StepPlan):
