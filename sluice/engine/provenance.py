@@ -45,6 +45,13 @@ NUMERIC_CPU_FLAGS = (
 )
 
 
+# The version of deterministic mode's arithmetic: the same request and seed give the same bits
+# under one numerics version on every CPU and build the kernels serve. A change that moves a bit
+# of the recorded outputs (tests/engine/golden_numerics.json) raises it and records them again
+# (docs/REPRODUCIBILITY.md, "The numerics version").
+NUMERICS_VERSION = 1
+
+
 @dataclass(frozen=True)
 class Provenance:
     model: str  # the model as the engine was given it (a path or the default model's file)
@@ -63,6 +70,7 @@ class Provenance:
     # (`widen_probe`); None where no step widens
     widened_from_rows: dict[str, int] | None
     deterministic: bool
+    numerics: int  # NUMERICS_VERSION of the sluice that ran it
     device: str
     device_name: str  # the CPU model, or the GPU's name and compute capability
     cpu_features: tuple[str, ...]  # those of NUMERIC_CPU_FLAGS the CPU has
@@ -111,6 +119,7 @@ def engine_provenance(
         native_build=_native_build() if native else None,
         widened_from_rows=_widened_from_rows(ops),
         deterministic=config.deterministic,
+        numerics=NUMERICS_VERSION,
         device=str(device),
         device_name=_device_name(device),
         cpu_features=cpu_features(),

@@ -221,6 +221,11 @@ class Provenance(_Wire):
         description="Tokens depend on the request and seed alone, not on the batch, chunking, "
         "prefix cache or thread count (docs/REPRODUCIBILITY.md)."
     )
+    numerics: int | None = Field(
+        None,
+        description="The version of deterministic mode's arithmetic: under one version a request "
+        "and seed give the same bits on every CPU the kernels serve (absent before version 1).",
+    )
     device: str
     device_name: str = Field(description="The CPU model, or the GPU and its compute capability.")
     cpu_features: list[str] = Field(
