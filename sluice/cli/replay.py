@@ -63,6 +63,9 @@ class Report:
     tokens: int  # compared, over all completions
     first_difference: dict[str, Any] | None
     provenance_differences: dict[str, tuple[Any, Any]]
+    # whether the provenance promises the recorded bits here, and if not, why (`expectation`)
+    expected: bool = False
+    why_not: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,7 +75,46 @@ class Report:
             "provenance_differences": {
                 k: {"recorded": a, "here": b} for k, (a, b) in self.provenance_differences.items()
             },
+            "expected_to_reproduce": self.expected,
+            "why_not": self.why_not,
         }
+
+
+# What decides deterministic mode's bits besides the numerics version (docs/REPRODUCIBILITY.md):
+# the CPU, the build of the kernels, torch's and sluice's versions do not, within one version.
+_DECIDING = {
+    "weights_sha256": "other weights",
+    "tokenizer_sha256": "another tokenizer",
+    "chat_template_sha256": "another chat template",
+    "dtype": "another dtype",
+    "quantization": "another quantization",
+    "kv_cache_dtype": "another KV cache type",
+    "device": "another kind of device",
+}
+
+
+def expectation(recorded: dict[str, Any], here: dict[str, Any]) -> tuple[bool, list[str]]:
+    """Whether a run with provenance `recorded` should give the same bits on an engine with
+    provenance `here`, whatever the CPU; if not, the reasons."""
+    why = []
+    if not recorded:
+        return False, ["no provenance was recorded"]
+    if not (recorded.get("deterministic") and here.get("deterministic")):
+        why.append("not recorded in deterministic mode: its bits depend on the batch and machine")
+    if recorded.get("numerics") != here.get("numerics"):
+        why.append(
+            f"recorded under numerics {recorded.get('numerics')}, this is {here.get('numerics')}"
+        )
+    why += [
+        f"{reason} ({name})"
+        for name, reason in _DECIDING.items()
+        if recorded.get(name) != here.get(name)
+    ]
+    if recorded.get("dtype") == "bfloat16" and here.get("dtype") == "bfloat16":
+        dot = ["avx512_bf16" in (p.get("cpu_features") or []) for p in (recorded, here)]
+        if dot[0] != dot[1]:
+            why.append("bfloat16 with the bfloat16 dot instruction on one side only (cpu_features)")
+    return not why, why
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -348,7 +390,10 @@ def replay(
                 max(LOGPROB_FLOOR, lp.logprob) for lp in out.logprobs
             )
     identical, compared, first = _compare(served, tokens, logprobs)
-    return Report(identical, compared, first, engine.provenance.differences(recorded))
+    expected, why_not = expectation(recorded, engine.provenance.to_dict())
+    return Report(
+        identical, compared, first, engine.provenance.differences(recorded), expected, why_not
+    )
 
 
 def _compare(
@@ -397,6 +442,13 @@ def describe(served: Served, report: Report) -> str:
                 f"differs at {where}: token {d.get('recorded')} recorded, {d.get('here')} here "
                 f"(the {report.tokens} before it are identical)"
             )
+    if report.expected:
+        lines.append(
+            f"expected to reproduce on any CPU: deterministic mode, numerics "
+            f"{served.provenance.get('numerics')}, the same weights and settings"
+        )
+    else:
+        lines.append("not expected to reproduce: " + "; ".join(report.why_not))
     if report.provenance_differences:
         lines.append("provenance differs from this engine's:")
         for name, (a, b) in sorted(report.provenance_differences.items()):
