@@ -47,7 +47,7 @@ NUMERIC_CPU_FLAGS = (
 
 # The version of deterministic mode's arithmetic: the same request and seed give the same bits
 # under one numerics version on every CPU and build the kernels serve. A change that moves a bit
-# of the recorded outputs (tests/engine/golden_numerics.json) raises it and records them again
+# of the recorded outputs (tests/engine/data/golden_numerics.json) raises it and records them again
 # (docs/REPRODUCIBILITY.md, "The numerics version").
 NUMERICS_VERSION = 1
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_kernels.row_softmax import cumsum_rows, exp_shifted_rows, logsumexp_rows
+
 
 class SoftmaxMath:
     """torch's: over the last dimension of [N, V] float32 rows."""
@@ -32,18 +34,12 @@ class FixedOrderSoftmax(SoftmaxMath):
     """The native kernels' (CPU tensors only)."""
 
     def logsumexp(self, x):
-        from .cpu_kernels.row_softmax import logsumexp_rows
-
         return logsumexp_rows(x)
 
     def exp_shifted(self, x, shift):
-        from .cpu_kernels.row_softmax import exp_shifted_rows
-
         return exp_shifted_rows(x, shift)
 
     def cumsum(self, x):
-        from .cpu_kernels.row_softmax import cumsum_rows
-
         return cumsum_rows(x)
 
     def softmax(self, x):

@@ -13,6 +13,9 @@
 
 #include "simd.h"
 
+/* Below this many elements one thread does the work: waking the team costs more. */
+#define PARALLEL_MIN_ELEMS (1 << 16)
+
 /* exp(v) for v <= 0, and exactly 0 for -inf (exp_nonpositive clamps below -87) */
 static inline float weight_of(float v) { return v == -INFINITY ? 0.0f : exp_nonpositive(v); }
 
@@ -33,14 +36,16 @@ static float logsumexp_row(const float *x, int64_t width) {
 
 void sluice_row_logsumexp(const float *x, int64_t stride, int64_t rows, int64_t width, float *out,
                           int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * width >= (1 << 16))
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 &&                                  \
+                                                      rows * width >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) out[r] = logsumexp_row(x + r * stride, width);
 }
 
 /* out[r][i] = exp(x[r][i] - shift[r]), for shifts at least each row's maximum (a log-sum-exp) */
 void sluice_row_exp_shifted(const float *x, int64_t stride, const float *shift, int64_t rows,
                             int64_t width, float *out, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows > 1 && rows * width >= (1 << 16))
+#pragma omp parallel for num_threads(num_threads) if (rows > 1 &&                                  \
+                                                      rows * width >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * stride;
         float *o = out + r * width;
