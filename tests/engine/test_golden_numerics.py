@@ -6,14 +6,18 @@ version is raised and the file recorded again."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sluice.engine import cpu_kernels
 from sluice.engine.provenance import NUMERICS_VERSION
 from sluice.testing import golden_numerics
 
+# (under CI a machine without the kernels fails here: these tests are what the promise rests on)
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.library() is None, reason="the native CPU kernels are unavailable here"
+    cpu_kernels.library() is None and os.environ.get("CI", "").lower() not in ("1", "true", "yes"),
+    reason="the native CPU kernels are unavailable here",
 )
 
 

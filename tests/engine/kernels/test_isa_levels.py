@@ -15,8 +15,10 @@ import pytest
 
 from sluice.engine import cpu_kernels
 
+# (under CI a machine without the kernels fails here: these tests are what the promise rests on)
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.library() is None, reason="the native CPU kernels are unavailable here"
+    cpu_kernels.library() is None and os.environ.get("CI", "").lower() not in ("1", "true", "yes"),
+    reason="the native CPU kernels are unavailable here",
 )
 
 # Hashes of each kernel's output on fixed inputs (numpy's generator: torch's randn itself draws

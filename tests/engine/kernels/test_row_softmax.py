@@ -4,14 +4,18 @@ weighing exactly 0, rows of every length around the 16-lane vectors, and a row o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from sluice.engine import cpu_kernels
 from sluice.engine.softmax_math import FixedOrderSoftmax
 
+# (under CI a machine without the kernels fails here: these tests are what the promise rests on)
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.library() is None, reason="the native CPU kernels are unavailable here"
+    cpu_kernels.library() is None and os.environ.get("CI", "").lower() not in ("1", "true", "yes"),
+    reason="the native CPU kernels are unavailable here",
 )
 FIXED = FixedOrderSoftmax()
 
