@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice.actors.messages import TokenizedRequest
+from sluice.actors.tool_calls import template_tools
 from sluice.engine.tokenizer import Tokenizer
 from sluice.schemas import GenerateRequest
 
@@ -33,13 +34,14 @@ def build_prompt(
     history_messages = list(history_messages or [])
     history_ids = list(history_token_ids or [])
     if request.messages is not None:
-        new = [m.model_dump() for m in request.messages]
+        new = [m.model_dump(exclude_none=True) for m in request.messages]
         messages = history_messages + new
+        tools = template_tools(request)
         if history_ids:
-            continuation = _continue_chat(tokenizer, history_messages, history_ids, messages)
+            continuation = _continue_chat(tokenizer, history_ids, messages, tools)
             if continuation is not None:
                 return Prompt(history_ids + continuation, messages, len(history_ids))
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return Prompt(tokenizer.encode(text, add_special_tokens=False), messages, 0)
     # A plain-text session continues the text: earlier ids, then the new prompt's tokens.
     assert request.prompt is not None  # the schema requires exactly one of prompt, messages
@@ -53,12 +55,15 @@ def build_prompt(
 
 
 def _continue_chat(
-    tokenizer: Tokenizer, history_messages: list[dict], history_ids: list[int], messages: list[dict]
+    tokenizer: Tokenizer,
+    history_ids: list[int],
+    messages: list[dict],
+    tools: list[dict] | None,
 ) -> list[int] | None:
     """Tokens to append to history_ids for the new messages, or None when the template does not
     extend the earlier rendering (then the caller renders everything afresh)."""
     before = tokenizer.decode(history_ids, skip_special_tokens=False)
-    after = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    after = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     if not after.startswith(before):
         return None
     return tokenizer.encode(after[len(before) :], add_special_tokens=False)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from sluice.actors.messages import TokenizedRequest
+from sluice.actors.tool_calls import sampling_kwargs
 from sluice.engine import EngineError, LLMEngine, SamplingParams, StepOutput
 from sluice.engine.kv_events import KvEvents
 from sluice.engine.kv_transfer import KvBlocks, export_prefix, import_prefix
@@ -81,7 +82,8 @@ class EngineLoop:
                 len(work.prompt_token_ids),
                 work.handoff.from_runner if work.handoff else "?",
             )
-        kwargs = {**request.sampling_kwargs(), "seed": admission.seed}
+        tokenizer = getattr(self.engine, "tokenizer", None)  # test engines may have none
+        kwargs = {**sampling_kwargs(request, tokenizer), "seed": admission.seed}
         if admission.prefill_only:
             kwargs["max_tokens"] = 1
             self._prefill_only[request.request_id] = work

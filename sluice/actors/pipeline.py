@@ -67,10 +67,11 @@ from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 from sluice.connectors.topic_tail import TopicTail
 from sluice.connectors.topics import ensure_topics
 from sluice.connectors.transactions import PartitionTransactions
-from sluice.engine import EngineConfig
+from sluice.engine import EngineConfig, tool_formats
 
 if TYPE_CHECKING:
     from sluice.engine import LLMEngine
+    from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class PipelineConfig:
     # The events of requests that do not name a format: "sluice" or "openai" (requests in an
     # OpenAI shape name openai themselves, unless they say otherwise).
     event_format: str = "sluice"
+    # How the model writes tool calls (`engine/tool_formats.py`); None: from its chat template.
+    tool_call_parser: str | None = None
     # Also read PREFIX.requests.<tenant>, whose name decides the request's tenant (so Kafka ACLs
     # decide who may act as which tenant).
     tenant_topics: bool = False
@@ -407,10 +410,24 @@ class Pipeline:
             LLMEngine, self.config.model, self.config.engine
         )
         engine.fault_hook = fault_hook_from_env(engine.tokenizer)  # tests only
+        self._choose_tool_format(engine.tokenizer)
         if engine.other_cpus:
             # The engine has CPUs of its own: this loop (and the threads it starts) keeps off them
             bind_this_thread(engine.other_cpus)
         return engine
+
+    def _choose_tool_format(self, tokenizer: Tokenizer | None) -> None:
+        if tokenizer is None:
+            return
+        name = self.config.tool_call_parser
+        if name is not None:
+            tokenizer.tool_format = tool_formats.named(name)(tokenizer)
+        how = "--tool-call-parser" if name else "chosen from the model's chat template"
+        if not tool_formats.template_renders_tools(tokenizer.chat_template):
+            how += (
+                "; the template does not render tools: sluice describes them in the system message"
+            )
+        log.info("tool calls read in the %s format (%s)", tokenizer.tool_format.name, how)
 
     def _sink(self, topic: str, key) -> KafkaSink:
         assert self.producer is not None  # start() made it before building the actors
@@ -466,6 +483,7 @@ class Pipeline:
 
         c, t = self.config, self.config.topics
         tokenizer, model_config = await asyncio.to_thread(load_tokenizer, c.model)
+        self._choose_tool_format(tokenizer)
         max_len = c.engine.max_model_len or model_config.max_position_embeddings
         actor = TokenizerActor(
             tokenizer,

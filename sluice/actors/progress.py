@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from typing import Any
 
 from aiokafka.structs import TopicPartition
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,6 +47,8 @@ class RecordedTokens(BaseModel):
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    content: str | None = None  # as the message had them (a request with tools)
+    tool_calls: list[dict] | None = None
 
 
 class Progress(BaseModel):
@@ -110,9 +113,20 @@ class Progress(BaseModel):
         return out
 
 
+# Request fields added after records were first written, and their unset values: left out of the
+# digest while unset, so that a request recorded by an earlier version resumes after an upgrade.
+_LATER_FIELDS: dict[str, object] = {"tools": None, "tool_choice": None, "parallel_tool_calls": True}
+_LATER_MESSAGE_FIELDS = {"tool_calls": True, "tool_call_id": True}
+
+
 def request_digest(request: GenerateRequest) -> str:
     """A fingerprint of the request as the client sent it."""
-    return hashlib.sha256(request.model_dump_json().encode()).hexdigest()[:32]
+    leave_out: dict[str, Any] = {
+        name: True for name, unset in _LATER_FIELDS.items() if getattr(request, name) == unset
+    }
+    if request.messages and not any(m.tool_calls or m.tool_call_id for m in request.messages):
+        leave_out["messages"] = {"__all__": _LATER_MESSAGE_FIELDS}
+    return hashlib.sha256(request.model_dump_json(exclude=leave_out).encode()).hexdigest()[:32]
 
 
 class ProgressLog:

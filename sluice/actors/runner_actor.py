@@ -35,6 +35,7 @@ from sluice.actors.metrics import Metrics
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
 from sluice.actors.scheduler_actor import routing_key
+from sluice.actors.tool_calls import CallReader, wire_calls
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
@@ -86,6 +87,7 @@ class _Tracked:
     # Every logprob entry, per completion, when its one event must carry them (no streaming).
     logprobs: dict[int, list[TokenLogprob]] | None = None
     passing_on: bool = False  # admitted to be passed on to a decode runner after its first token
+    calls: CallReader | None = None  # with tools: reads its completions' calls
 
 
 # A message a step sends, with its delivery and the request it is about.
@@ -223,6 +225,7 @@ class RunnerActor(Actor):
         if handoff is not None and handoff.kv_file and self.kv_files is not None:
             kv = await asyncio.to_thread(self.kv_files.take, handoff.kv_file, handoff.kv_source)
         tracked = _Tracked(work, envelope.delivery, self._handle(work), time.time())
+        tracked.calls = CallReader.for_request(request, self._tokenizer)
         if not request.stream and request.logprobs is not None:
             tracked.logprobs = {}
         resume = None
@@ -370,6 +373,8 @@ class RunnerActor(Actor):
                 token_ids=tokens.token_ids,
                 text=tokens.text,
                 logprobs=tokens.logprobs,
+                content=tokens.content,
+                tool_calls=tokens.tool_calls,
                 request_id=work.request.request_id,
                 request=handle,
             )
@@ -491,6 +496,8 @@ class RunnerActor(Actor):
                         token_ids=message.token_ids,
                         text=message.text,
                         logprobs=message.logprobs,
+                        content=message.content,
+                        tool_calls=message.tool_calls,
                     )
                 )
             if self.progress.transactional:
@@ -524,8 +531,8 @@ class RunnerActor(Actor):
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            if out.new_token_ids or out.text:
-                message = self._token_message(tracked, out)
+            message = self._token_message(tracked, out)
+            if message is not None:
                 messages.append((message, tracked.delivery.for_part(), tracked))
                 if tracked.logprobs is not None and message.logprobs:
                     tracked.logprobs.setdefault(out.index, []).extend(message.logprobs)
@@ -582,7 +589,16 @@ class RunnerActor(Actor):
             created=int(work.published_at or work.received_at),
         )
 
-    def _token_message(self, tracked: _Tracked, out: StepOutput) -> StepMessage:
+    def _token_message(self, tracked: _Tracked, out: StepOutput) -> StepMessage | None:
+        """The message of a step's new tokens; None when there is nothing to send."""
+        content = calls = None
+        if tracked.calls is not None:  # (its last output may release text held back, or a call)
+            before = tracked.texts.get(out.index, "")
+            content, calls = tracked.calls.step(out.index, before, out.text, out.finished)
+            if not (out.new_token_ids or content or calls):
+                return None
+        elif not (out.new_token_ids or out.text):
+            return None
         logprobs = None
         if out.logprobs:
             spell = self._spelling
@@ -602,6 +618,8 @@ class RunnerActor(Actor):
             token_ids=out.new_token_ids,
             text=out.text,
             logprobs=logprobs,
+            content=content,
+            tool_calls=calls or None,
             request_id=tracked.work.request.request_id,
             request=tracked.handle,
         )
@@ -635,15 +653,17 @@ class RunnerActor(Actor):
             cached_tokens=last_usage.cached_tokens,
             completion_tokens=sum(len(ids) for ids in tracked.token_ids.values()),
         )
+        endings = {i: self._ending(tracked, i, o) for i, o in tracked.finals.items()}
         choices = None
         if request.n > 1:
             choices = [
                 dict(
                     index=i,
-                    text=tracked.texts.get(i, ""),
-                    finish_reason=o.finish_reason,
+                    text=endings[i][0] if tracked.calls else tracked.texts.get(i, ""),
+                    finish_reason=endings[i][2],
                     stop_reason=o.stop_reason,
                     completion_tokens=len(tracked.token_ids.get(i, [])),
+                    tool_calls=endings[i][1],
                 )
                 for i, o in sorted(tracked.finals.items())
             ]
@@ -655,11 +675,13 @@ class RunnerActor(Actor):
         message = StepMessage(
             seq=tracked.seq,
             finished=True,
-            finish_reason=first.finish_reason,
+            finish_reason=endings[0][2],
             stop_reason="deadline" if tracked.expired else first.stop_reason,
             usage=usage,
             timings=timings,
             full_text=tracked.texts.get(0, ""),
+            content=endings[0][0] if tracked.calls else None,
+            tool_calls=endings[0][1],
             choices=choices,
             choice_logprobs=tracked.logprobs,
             seed=first.seed,
@@ -675,3 +697,16 @@ class RunnerActor(Actor):
         )
         tracked.seq += 1
         return message
+
+    @staticmethod
+    def _ending(
+        tracked: _Tracked, index: int, out: StepOutput
+    ) -> tuple[str, list[dict] | None, str]:
+        """(content, calls, finish reason) of a finished completion: one that stopped having made
+        calls finished with "tool_calls", as OpenAI's do."""
+        reason = out.finish_reason
+        if tracked.calls is None:
+            return "", None, reason
+        view = tracked.calls.view(tracked.texts.get(index, ""), final=True)
+        calls = wire_calls(tracked.calls.request_id, index, view) or None
+        return view.content, calls, "tool_calls" if calls and reason == "stop" else reason

@@ -84,8 +84,9 @@ class StreamerActor(Actor):
                 seq=message.seq,
                 index=message.index,
                 token_ids=message.token_ids,
-                text=message.text,
+                text=message.text if message.content is None else message.content,
                 logprobs=message.logprobs,
+                tool_calls=message.tool_calls,
                 session_id=message.request.session_id,
             )
             written = await self._send(envelope, topic, self._encode(message, event))
@@ -100,7 +101,8 @@ class StreamerActor(Actor):
                 usage=message.usage,
                 timings=message.timings,
                 model=message.request.model,
-                text=message.full_text or "",
+                text=(message.full_text or "") if message.content is None else message.content,
+                tool_calls=message.tool_calls,
                 choices=[
                     Choice(**c, logprobs=self._logprobs_of(message, c["index"]))
                     for c in message.choices

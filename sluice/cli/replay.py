@@ -352,6 +352,7 @@ def replay(
 ) -> Report:
     """Run the request alone as recorded; a session turn after `history` (`session_history`)."""
     from sluice.actors.conversation import build_prompt
+    from sluice.actors.tool_calls import sampling_kwargs
     from sluice.engine import EngineConfig, LLMEngine, SamplingParams
 
     request = served.request
@@ -379,7 +380,7 @@ def replay(
             f"the turn's prompt comes to {rebuilt} tokens from the session's record, {had} when "
             "it was served (another tokenizer or chat template): it cannot be rebuilt here"
         )
-    params = SamplingParams(**{**request.sampling_kwargs(), "seed": served.seed})
+    params = SamplingParams(**{**sampling_kwargs(request, engine.tokenizer), "seed": served.seed})
     engine.add_request(request.request_id, params=params, prompt_token_ids=prompt.token_ids)
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list[float]] = {}

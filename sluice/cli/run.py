@@ -9,6 +9,7 @@ from sluice.actors.roles import ROLES
 from sluice.cli.generate import add_engine_arguments, engine_config_from_args
 from sluice.cli.kafka_security_flags import add_kafka_security_arguments
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
+from sluice.engine.tool_formats import FORMATS
 
 
 def add_topic_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +143,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "unless it sets event_format; docs/SCHEMAS.md)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(FORMATS),
+        help="how the model writes tool calls (default: chosen from its chat template; hermes "
+        "where the template does not render tools, sluice then describing them)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics (/metrics) and the /healthz and /readyz probes on this port",
@@ -220,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         delivery=args.delivery,
         commit_interval_ms=args.commit_interval_ms,
         event_format=args.event_format,
+        tool_call_parser=args.tool_call_parser,
         tenant_topics=args.tenant_topics,
         routing=args.routing,
         load_margin=args.load_margin,

@@ -45,7 +45,9 @@ from tokenizers import (
     processors,
 )
 
+from sluice.engine import tool_formats
 from sluice.engine.errors import EngineError, ModelError
+from sluice.engine.tool_formats import ToolFormat
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +142,10 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        self._added_texts = frozenset(t.content for t in added.values())
         self._compiled_template: jinja2.Template | None = None
+        # How the model writes tool calls: chosen from the template unless set (`tool_formats`).
+        self.tool_format: ToolFormat = tool_formats.detect(chat_template)(self)
 
     # ------------------------------------------------------------------ construction
 
@@ -257,6 +262,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def is_added_token(self, text: str) -> bool:
+        """Whether `text` is one of the vocabulary's added tokens (matched whole in text)."""
+        return text in self._added_texts
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
@@ -289,6 +298,15 @@ class Tokenizer:
                 "the model has no chat template; send a plain prompt instead", "chat_template"
             )
         chat = _normalize_messages(messages)
+        if template_kwargs.get("tools") is not None or any(
+            m.get("tool_calls") or m["role"] == "tool" for m in chat
+        ):
+            chat, template_kwargs["tools"] = tool_formats.template_inputs(
+                self.tool_format,
+                tool_formats.template_renders_tools(self.chat_template),
+                chat,
+                template_kwargs.get("tools"),
+            )
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
         context = {**self.template_tokens, "tools": None, "documents": None, **template_kwargs}

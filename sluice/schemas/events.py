@@ -55,8 +55,9 @@ class ErrorCode(StrEnum):
     """A bug or an unexpected failure inside sluice."""
 
 
-FinishReason = Literal["stop", "length", "abort", "error"]
-"""``stop``: an end-of-sequence token, a stop token or a stop string; ``length``: ``max_tokens`` or
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+"""``stop``: an end-of-sequence token, a stop token or a stop string; ``tool_calls``: so ended,
+having made tool calls (a request with tools); ``length``: ``max_tokens`` or
 the context length reached; ``abort``: cancelled or past its deadline while generating;
 ``error``: failed while generating (the error is logged; tokens already sent stay valid)."""
 
@@ -112,6 +113,20 @@ class TokenLogprob(_Wire):
     top: list[TopLogprob] = Field(default_factory=list)
 
 
+class CalledFunction(_Wire):
+    name: str
+    arguments: str = Field(description="A JSON object, as text.")
+
+
+class GeneratedToolCall(_Wire):
+    """A tool call the model made (a request with ``tools``), in OpenAI's shape."""
+
+    index: int = Field(ge=0, description="Its place among its completion's calls: 0, 1, ...")
+    id: str = Field(description="The same on every copy and after a resume: call_<24 hex>.")
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class TokenEvent(_Wire):
     """New tokens of one request: the token ids and the text they add."""
 
@@ -124,6 +139,11 @@ class TokenEvent(_Wire):
     text: str = Field("", description="Text delta: append it to the text received so far.")
     logprobs: list[TokenLogprob] | None = Field(
         None, description="One entry per token id, when the request asked for logprobs."
+    )
+    tool_calls: list[GeneratedToolCall] | None = Field(
+        None,
+        description="Calls completed by these tokens (a request with tools; the text of a call "
+        "is not in `text`).",
     )
     session_id: str | None = None
     metadata: dict[str, JsonValue] | None = None
@@ -176,6 +196,7 @@ class Choice(_Wire):
     logprobs: list[TokenLogprob] | None = Field(
         None, description="Its logprobs, when the request asked for them and did not stream."
     )
+    tool_calls: list[GeneratedToolCall] | None = None
 
 
 class Failure(_Wire):
@@ -248,7 +269,12 @@ class FinalEvent(_Wire):
     usage: Usage
     timings: Timings
     model: str
-    text: str = Field(description="The full generated text (of completion 0 when n > 1).")
+    text: str = Field(
+        description="The full generated text (of completion 0 when n > 1), less its tool calls."
+    )
+    tool_calls: list[GeneratedToolCall] | None = Field(
+        None, description="Every call completion 0 made (a request with tools)."
+    )
     choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
     logprobs: list[TokenLogprob] | None = Field(
         None,

@@ -21,7 +21,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .events import ErrorCode, ErrorEvent, FinalEvent, TokenEvent, TokenLogprob, Usage
+from .events import (
+    ErrorCode,
+    ErrorEvent,
+    FinalEvent,
+    GeneratedToolCall,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
 
 
 def wants_openai(asked: str | None, default: str) -> bool:
@@ -112,6 +120,8 @@ def token_chunk(event: TokenEvent, shape: OpenAIShape, first: bool) -> dict[str,
     if shape.chat:
         role = {"role": "assistant"} if first else {}
         choice["delta"] = role | {"content": event.text}
+        if event.tool_calls:
+            choice["delta"]["tool_calls"] = [c.model_dump() for c in event.tool_calls]
     else:
         choice["text"] = event.text
     choice["logprobs"] = _logprobs(shape, event.logprobs)
@@ -120,11 +130,11 @@ def token_chunk(event: TokenEvent, shape: OpenAIShape, first: bool) -> dict[str,
     return shape.head(event.request_id, shape.chunk_kind) | {"choices": [choice]} | _extras(event)
 
 
-def _outcomes(event: FinalEvent) -> list[tuple[int, str, str, str | int | None]]:
-    """(index, text, finish_reason, stop_reason) of every completion."""
+def _outcomes(event: FinalEvent) -> list[tuple[int, str, str, list[GeneratedToolCall] | None]]:
+    """(index, text, finish_reason, tool calls) of every completion."""
     if event.choices:
-        return [(c.index, c.text, c.finish_reason, c.stop_reason) for c in event.choices]
-    return [(0, event.text, event.finish_reason, event.stop_reason)]
+        return [(c.index, c.text, c.finish_reason, c.tool_calls) for c in event.choices]
+    return [(0, event.text, event.finish_reason, event.tool_calls)]
 
 
 def _final_extras(event: FinalEvent) -> dict[str, Any]:
@@ -157,10 +167,16 @@ def whole(
 ) -> dict[str, Any]:
     """The final event as one completion object (the request asked for no streaming)."""
     choices = []
-    for index, text, finish_reason, _ in _outcomes(event):
+    for index, text, finish_reason, calls in _outcomes(event):
         choice: dict[str, Any] = {"index": index}
         if shape.chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+            choice["message"] = {
+                "role": "assistant",
+                "content": text if text or not calls else None,
+                "refusal": None,
+            }
+            if calls:  # (OpenAI's calls have no index: their order is it)
+                choice["message"]["tool_calls"] = [c.model_dump(exclude={"index"}) for c in calls]
         else:
             choice["text"] = text
         entries = None if logprobs is None else logprobs.get(index, [])

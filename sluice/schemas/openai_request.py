@@ -14,7 +14,9 @@ names it and says why, never silently dropped. Then it is mapped onto a :class:`
 * ``stream`` (OpenAI's default is false: one final object); ``stream_options.include_usage`` is
   accepted, and usage is always on the last chunk;
 * ``temperature``, ``top_p``, ``n``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
-  ``metadata``, ``response_format`` (structured output: ``json_object``, ``json_schema``); the
+  ``metadata``, ``response_format`` (structured output: ``json_object``, ``json_schema``),
+  ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (an assistant message's ``tool_calls``
+  and a tool message's ``tool_call_id`` too: ``schemas/tools.py``); the
   extras vLLM users send (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
   ``stop_token_ids``, ``skip_special_tokens``) and sluice's own routing fields
   (``request_id``, ``session_id``, ``tenant``, ``reply_topic``, ``priority``, ``deadline``) pass
@@ -58,8 +60,8 @@ def _refuse(why: str, harmless: tuple[Any, ...] = ()) -> AfterValidator:
     return AfterValidator(check)
 
 
-# The type of a field OpenAI defines and sluice does not serve: any value but null fails.
-_TOOLS = Annotated[JsonValue, _refuse("no tool or function calling")]
+# OpenAI's deprecated function calling: any value but null fails.
+_FUNCTIONS = Annotated[JsonValue, _refuse("the deprecated function calling (use tools)")]
 _PASS = JsonValue  # passed on under the same name and checked by GenerateRequest
 
 # The fields every shape passes on unchanged: OpenAI's, vLLM's extras and sluice's own.
@@ -88,6 +90,8 @@ PASSTHROUGH: tuple[str, ...] = (
     "event_format",
     "response_format",
 )
+# ... and those Chat Completions requests alone pass on.
+CHAT_PASSTHROUGH: tuple[str, ...] = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 class _Strict(BaseModel):
@@ -114,6 +118,8 @@ class TextPart(_Strict):
 
 
 def _text_or_parts(value: Any) -> Any:
+    if value is None:
+        return None
     if isinstance(value, str):
         return [{"type": "text", "text": value}]
     if not isinstance(value, list):
@@ -141,16 +147,28 @@ class ChatMessage(_Strict):
     """One message of a Chat Completions request."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[list[TextPart], BeforeValidator(_text_or_parts)]
+    content: Annotated[list[TextPart] | None, BeforeValidator(_text_or_parts)] = None
     name: Annotated[JsonValue, _refuse("names are not passed to the chat template")] = None
-    tool_calls: _TOOLS = None
-    tool_call_id: _TOOLS = None
-    function_call: _TOOLS = None
+    tool_calls: _PASS = None
+    tool_call_id: _PASS = None
+    function_call: _FUNCTIONS = None
     refusal: Annotated[JsonValue, _refuse("refusals are not part of the chat template")] = None
     audio: Annotated[JsonValue, _refuse("no audio")] = None
 
-    def text(self) -> str:
-        return "\n".join(part.text for part in self.content)
+    def text(self) -> str | None:
+        return None if self.content is None else "\n".join(part.text for part in self.content)
+
+    def to_native(self) -> dict[str, Any]:
+        """The sluice message this one is (its tool fields checked as sluice checks them)."""
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": self.text(),
+        }
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(_Strict):
@@ -220,11 +238,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    tools: _TOOLS = None
-    tool_choice: _TOOLS = None
-    parallel_tool_calls: _TOOLS = None
-    functions: _TOOLS = None
-    function_call: _TOOLS = None
+    tools: _PASS = None
+    tool_choice: _PASS = None
+    parallel_tool_calls: _PASS = None
+    functions: _FUNCTIONS = None
+    function_call: _FUNCTIONS = None
     audio: Annotated[JsonValue, _refuse("no audio")] = None
     modalities: Annotated[JsonValue, _refuse("text output only", (["text"],))] = None
     prediction: Annotated[JsonValue, _refuse("no predicted outputs")] = None
@@ -235,10 +253,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     def to_native(self) -> dict[str, Any]:
         """The fields of the :class:`GenerateRequest` this request means."""
         out = self._common()
-        out["messages"] = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        out |= {n: getattr(self, n) for n in CHAT_PASSTHROUGH if getattr(self, n) is not None}
+        out["messages"] = [m.to_native() for m in self.messages]
         if self.max_completion_tokens is not None:
             out["max_tokens"] = self.max_completion_tokens
         if self.logprobs:

@@ -33,7 +33,14 @@ from pydantic_core import ErrorDetails
 
 from .events import EVENT_TYPES, ErrorCode, ErrorEvent, OutputEvent
 from .openai_request import ChatMessage, openai_shape
-from .request import RESPONSE_FORMAT_TYPES, GenerateRequest, _request_id, _session_id, _topic
+from .request import (
+    RESPONSE_FORMAT_TYPES,
+    GenerateRequest,
+    Message,
+    _request_id,
+    _session_id,
+    _topic,
+)
 from .version import SCHEMA_VERSION, SUPPORTED_VERSIONS
 
 MAX_ERRORS_IN_MESSAGE = 5
@@ -215,7 +222,9 @@ def _known_fields(parent: tuple[Any, ...], shape: type[BaseModel]) -> list[str]:
         return list(shape.model_fields)
     if parent[0] == "messages":
         return (
-            list(ChatMessage.model_fields) if shape is not GenerateRequest else ["role", "content"]
+            list(ChatMessage.model_fields)
+            if shape is not GenerateRequest
+            else list(Message.model_fields)
         )
     return []
 
@@ -227,10 +236,9 @@ def _field_of(err: ErrorDetails) -> str | None:
     for i in range(len(loc) - 1, 0, -1):
         if loc[i - 1] == "response_format" and loc[i] in RESPONSE_FORMAT_TYPES:
             del loc[i]
-    path = ".".join(str(p) for p in loc)
-    if path:
-        return _utf8_safe(path)
-    return (err.get("ctx") or {}).get("field")
+    named = (err.get("ctx") or {}).get("field")  # by a check of the object at `loc`
+    path = ".".join(str(p) for p in [*loc, *([named] if named else [])])
+    return _utf8_safe(path) if path else None
 
 
 def _error_from_validation(

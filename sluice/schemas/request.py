@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .tools import MAX_TOOL_CALLS, MAX_TOOLS, Tool, ToolCall, ToolChoice, check_tools
 from .version import SCHEMA_VERSION, SUPPORTED_VERSIONS
 
 MAX_ID_LENGTH = 128
@@ -180,12 +181,35 @@ Deadline = Annotated[
 
 
 class Message(BaseModel):
-    """One chat message."""
+    """One chat message: an assistant's may hold the tool calls it made (and then no content), a
+    tool's brings a call's result (and names the call, as OpenAI's clients do)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, min_length=1, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = Field(None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _fits_role(self) -> Message:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError(
+                "role_conflict",
+                "only an assistant message makes tool calls",
+                {"field": "tool_calls"},
+            )
+        if self.tool_call_id is not None and self.role != "tool":
+            raise PydanticCustomError(
+                "role_conflict", "only a tool message answers a call", {"field": "tool_call_id"}
+            )
+        if self.content is None and self.tool_calls is None:
+            raise PydanticCustomError(
+                "missing_content",
+                "field required (an assistant message may give tool_calls instead)",
+                {"field": "content"},
+            )
+        return self
 
 
 class _Format(BaseModel):
@@ -330,6 +354,23 @@ class GenerateRequest(BaseModel):
         "regex or grammar (Lark); enforced token by token.",
     )
 
+    tools: list[Tool] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_TOOLS,
+        description="Functions the model may call (chat requests): their calls come back as "
+        "tool_calls with finish_reason tool_calls.",
+    )
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="auto (the default with tools): the model chooses; none: no calls; "
+        "required: one call or more and nothing else; {type: function, function: {name}}: "
+        "one call of that function. required and named calls follow the tools' schemas.",
+    )
+    parallel_tool_calls: bool = Field(
+        True, description="false: at most one call per answer (with required)."
+    )
+
     metadata: dict[str, JsonValue] | None = Field(
         None,
         description="Free JSON object echoed back on the final and error events "
@@ -401,6 +442,18 @@ class GenerateRequest(BaseModel):
                 "prompt_conflict",
                 "give either prompt or messages, not both",
                 {"field": "messages"},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> GenerateRequest:
+        check_tools(self.tools, self.tool_choice, self.messages is not None)
+        calls_only = self.tools is not None and self.tool_choice not in (None, "auto", "none")
+        if calls_only and self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError(
+                "conflict",
+                "give a response_format or a tool_choice that requires calls, not both",
+                {"field": "tool_choice"},
             )
         return self
 

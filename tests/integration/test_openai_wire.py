@@ -70,7 +70,7 @@ async def test_openai_requests_and_events_on_the_real_pipeline(bootstrap_servers
     completions = sent_by_client(
         "completions", model="SmolLM2", prompt="The capital of France is", max_tokens=5
     )
-    refused = chat_body(tools=[{"type": "function", "function": {"name": "lookup"}}])
+    refused = chat_body(functions=[{"name": "lookup"}])
     structured = chat_body(
         max_completion_tokens=120,
         response_format={
@@ -170,5 +170,5 @@ async def test_openai_requests_and_events_on_the_real_pipeline(bootstrap_servers
 
     # what sluice does not serve: OpenAI's error object, naming the field
     (error,) = events["oa-refused"]
-    assert error["error"]["param"] == "tools" and error["error"]["code"] == "invalid_request"
+    assert error["error"]["param"] == "functions" and error["error"]["code"] == "invalid_request"
     assert error["seq"] == 0

@@ -123,3 +123,38 @@ def test_an_error_event_is_openais_error_object(event: ErrorEvent):
     assert error.message == event.message and error.code == event.code
     assert error.param == event.field
     assert error.type == ("server_error" if event.code == "internal" else error.type)
+
+
+def test_tool_calls_are_chunk_deltas_and_the_whole_message_s_calls():
+    call = {
+        "index": 0,
+        "id": "call_0123456789abcdef01234567",
+        "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+    }
+    event = TokenEvent.model_validate(
+        {"request_id": "r", "seq": 2, "token_ids": [5, 6], "text": "", "tool_calls": [call]}
+    )
+    chunk = ChatCompletionChunk.model_validate(wire(token_chunk(event, CHAT, False)))
+    (delta,) = chunk.choices[0].delta.tool_calls or []
+    assert (delta.index, delta.id, delta.type) == (0, call["id"], "function")
+    assert delta.function is not None and delta.function.name == "weather"
+    assert delta.function.arguments == '{"city": "Oslo"}'
+    final = FinalEvent.model_validate(
+        {
+            "request_id": "r",
+            "seq": 3,
+            "finish_reason": "tool_calls",
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+            "timings": {"queue_s": 0, "total_s": 1},
+            "model": "m",
+            "text": "",
+            "tool_calls": [call],
+        }
+    )
+    completion = ChatCompletion.model_validate(wire(whole(final, CHAT, None)))
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (made,) = choice.message.tool_calls or []
+    assert made.id == call["id"] and made.function.arguments == '{"city": "Oslo"}'
+    last = ChatCompletionChunk.model_validate(wire(last_chunk(final, CHAT)))
+    assert last.choices[0].finish_reason == "tool_calls"

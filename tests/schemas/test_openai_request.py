@@ -100,6 +100,44 @@ def test_a_completions_request_from_the_openai_client():
     assert request.stream is False and request.event_format == "openai"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_a_chat_with_tools_from_the_openai_client_keeps_its_tools_calls_and_results():
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+    body = sent_by_client(
+        "chat",
+        model="m",
+        messages=[
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        ],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+        parallel_tool_calls=False,
+    )
+    request = decoded(body)
+    assert request.tools is not None and request.tools[0].function.name == "weather"
+    assert request.tool_choice is not None and not isinstance(request.tool_choice, str)
+    assert request.tool_choice.function.name == "weather"
+    assert request.parallel_tool_calls is False
+    assert request.messages is not None
+    assistant, tool = request.messages[1:]
+    assert assistant.content is None and assistant.tool_calls is not None
+    assert assistant.tool_calls[0].function.arguments == "{}"
+    assert tool.role == "tool" and tool.tool_call_id == "call_1" and tool.content == "rain"
+    # a Completions request has no tools
+    assert rejected({"model": "m", "prompt": "x", "tools": [WEATHER]}).event.field == "tools"
+
+
 def test_nulls_mean_absent_and_the_request_may_ask_for_sluice_events():
     request = decoded(
         {
@@ -120,8 +158,16 @@ def test_nulls_mean_absent_and_the_request_may_ask_for_sluice_events():
 @pytest.mark.parametrize(
     "extra, field, reason",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
-        ({"tool_choice": "auto"}, "tool_choice", "tool"),
+        ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+            "not one of the tools",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", "'json_schema'"),
         ({"logit_bias": {"50256": -100}}, "logit_bias", "logit bias"),
         ({"store": True}, "store", "not stored"),
@@ -153,7 +199,8 @@ def test_what_sluice_does_not_serve_is_refused_by_name(extra, field, reason):
             "image_url parts",
         ),
         ({"role": "user", "content": 3}, "messages.0.content", "a string or an array"),
-        ({"role": "tool", "content": "x", "tool_call_id": "c1"}, "messages.0.tool_call_id", "tool"),
+        ({"role": "user", "content": "x", "tool_call_id": "c1"}, "messages.0.tool_call_id", "tool"),
+        ({"role": "assistant"}, "messages.0.content", "tool_calls"),
         ({"role": "user", "content": "x", "name": "ann"}, "messages.0.name", "names"),
         ({"role": "robot", "content": "x"}, "messages.0.role", "must be one of"),
     ],

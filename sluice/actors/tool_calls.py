@@ -1,0 +1,98 @@
+"""A request's tools on their way through the pipeline: what its chat template is given, the grammar
+its sampling follows when it must call, and the calls its completions' text holds.
+
+The model's family decides how calls are written (`engine/tool_formats.py`, on the tokenizer);
+this module maps a request's wire fields onto it. A completion's calls are read from its whole text
+at each step (`CallReader`), never from a reader's memory, so a completion resumed after a crash
+is read as the uninterrupted one was, and each call's id is derived from the request, the
+completion and the call's place: the same on every copy of an event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from sluice.engine.tokenizer import Tokenizer
+from sluice.engine.tool_formats import Tools, ToolView
+from sluice.schemas import GenerateRequest
+from sluice.schemas.events import CalledFunction, GeneratedToolCall
+from sluice.schemas.tools import NamedToolChoice
+
+
+def tools_of(request: GenerateRequest) -> Tools | None:
+    """The request's tools as the engine's formats take them; None without tools."""
+    if request.tools is None:
+        return None
+    choice = request.tool_choice
+    return Tools(
+        functions=tuple(t.model_dump(exclude_none=True) for t in request.tools),
+        choice="required" if isinstance(choice, NamedToolChoice) else (choice or "auto"),
+        forced=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+        parallel=request.parallel_tool_calls,
+    )
+
+
+def template_tools(request: GenerateRequest) -> list[dict[str, Any]] | None:
+    """The tools the chat template describes to the model: with tool_choice "none" too (as vLLM
+    does by default: the model still knows them, and a session's prompt keeps its prefix), but
+    then its text is not read for calls."""
+    tools = tools_of(request)
+    return [dict(t) for t in tools.functions] if tools is not None else None
+
+
+def sampling_kwargs(request: GenerateRequest, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """The request's sampling parameters; a request that must call samples by the grammar of its
+    model's calls (its response_format is then unset: the schema refuses both)."""
+    kwargs = request.sampling_kwargs()
+    tools = tools_of(request)
+    if tools is not None and tools.constrained and tokenizer is not None:
+        grammar = tokenizer.tool_format.grammar(tools)
+        kwargs["response_format"] = {"type": "grammar", "grammar": grammar}
+    return kwargs
+
+
+def call_id(request_id: str, index: int, place: int) -> str:
+    """A call's id: the same wherever and however often the call is read."""
+    digest = hashlib.sha256(f"{request_id}/{index}/{place}".encode()).hexdigest()
+    return "call_" + digest[:24]
+
+
+def wire_calls(request_id: str, index: int, view: ToolView, first: int = 0) -> list[dict]:
+    """The view's calls from `first` on, as events carry them (dicts of `GeneratedToolCall`)."""
+    return [
+        GeneratedToolCall(
+            index=place,
+            id=call_id(request_id, index, place),
+            function=CalledFunction(name=call.name, arguments=call.arguments),
+        ).model_dump()
+        for place, call in enumerate(view.calls[first:], start=first)
+    ]
+
+
+class CallReader:
+    """Reads one request's completions for calls (with a request that offers tools)."""
+
+    def __init__(self, request: GenerateRequest, tokenizer: Tokenizer):
+        tools = tools_of(request)
+        assert tools is not None
+        self.request_id = request.request_id
+        self.tools = tools
+        self.format = tokenizer.tool_format
+
+    @staticmethod
+    def for_request(request: GenerateRequest, tokenizer: Tokenizer | None) -> CallReader | None:
+        tools = tools_of(request)
+        if tools is None or not tools.parsed or tokenizer is None:
+            return None
+        return CallReader(request, tokenizer)
+
+    def view(self, text: str, final: bool) -> ToolView:
+        return self.format.view(text, self.tools, final)
+
+    def step(self, index: int, before: str, added: str, final: bool) -> tuple[str, list[dict]]:
+        """(the content delta, the calls completed) of `added` text after `before`."""
+        was, now = self.view(before, False), self.view(before + added, final)
+        return now.content[len(was.content) :], wire_calls(
+            self.request_id, index, now, len(was.calls)
+        )
