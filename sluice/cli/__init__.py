@@ -18,6 +18,7 @@ from sluice.cli import (
     schema,
     stack,
     tail,
+    tools,
 )
 from sluice.cli.config_file import ConfigError, defaults_from_file
 from sluice.cli.kafka_security_flags import export_kafka_security
@@ -39,7 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
         "collectors",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (stack, generate, run, produce, tail, chat, demo, replay, schema, bench, models):
+    commands = (
+        stack,
+        generate,
+        run,
+        produce,
+        tail,
+        chat,
+        demo,
+        replay,
+        schema,
+        bench,
+        models,
+        tools,
+    )
+    for module in commands:
         module.register(sub)
     return parser
 

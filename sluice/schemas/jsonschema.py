@@ -3,7 +3,9 @@
 ``json_schemas()`` maps a name to a schema: ``GenerateRequest`` (what a client may send; it has
 ``additionalProperties: false`` because requests reject unknown fields), ``TokenEvent``,
 ``FinalEvent``, ``ErrorEvent`` (what sluice sends; open to new fields, which consumers ignore), and
-``OutputEvent`` (any event, told apart by ``type``). ``sluice schema`` prints them.
+``OutputEvent`` (any event, told apart by ``type``), and the messages of tool calls and their
+results (``ToolCallMessage``, ``ToolResultMessage``) for tool workers in other languages.
+``sluice schema`` prints them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import TypeAdapter
 
 from .events import ErrorEvent, FinalEvent, OutputEvent, TokenEvent
 from .request import GenerateRequest
+from .tool_messages import ToolCallMessage, ToolResultMessage
 from .version import SCHEMA_VERSION
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -37,5 +40,11 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "ErrorEvent": _stamp(ErrorEvent.model_json_schema(mode="serialization"), "ErrorEvent"),
         "OutputEvent": _stamp(
             TypeAdapter(OutputEvent).json_schema(mode="serialization"), "OutputEvent"
+        ),
+        "ToolCallMessage": _stamp(
+            ToolCallMessage.model_json_schema(mode="validation"), "ToolCallMessage"
+        ),
+        "ToolResultMessage": _stamp(
+            ToolResultMessage.model_json_schema(mode="serialization"), "ToolResultMessage"
         ),
     }

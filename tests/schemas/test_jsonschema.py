@@ -18,6 +18,7 @@ from sluice.schemas import (
     encode,
     json_schemas,
 )
+from sluice.schemas.tool_messages import ToolCallMessage, ToolResultMessage
 
 from .strategies import events, requests
 
@@ -40,6 +41,9 @@ def test_every_schema_is_a_valid_draft_2020_12_schema():
         Draft202012Validator.check_schema(schema)
 
 
+TOOL_MESSAGES = {"ToolCallMessage": ToolCallMessage, "ToolResultMessage": ToolResultMessage}
+
+
 def doc_examples() -> list[tuple[str, object]]:
     text = DOCS.read_text(encoding="utf-8")
     found = re.findall(r"<!-- example: (\w+) -->\s*```json\n(.*?)```", text, re.S)
@@ -53,6 +57,8 @@ def test_all_schemas_are_exported_as_plain_json():
         "FinalEvent",
         "ErrorEvent",
         "OutputEvent",
+        "ToolCallMessage",
+        "ToolResultMessage",
     }
     for name, schema in SCHEMAS.items():
         assert json.loads(json.dumps(schema)) == schema
@@ -68,7 +74,9 @@ def test_request_schema_forbids_unknown_fields_and_events_allow_them():
 
 def test_docs_have_examples_of_every_message():
     names = [name for name, _ in doc_examples()]
-    assert {"GenerateRequest", "TokenEvent", "FinalEvent", "ErrorEvent"} <= set(names)
+    assert {"GenerateRequest", "TokenEvent", "FinalEvent", "ErrorEvent", *TOOL_MESSAGES} <= set(
+        names
+    )
 
 
 @pytest.mark.parametrize("name, example", doc_examples())
@@ -77,6 +85,8 @@ def test_docs_examples_validate_against_schema_and_model(name, example):
     raw = json.dumps(example).encode()
     if name == "GenerateRequest":
         assert decode_request(raw).request_id == example["request_id"]
+    elif name in TOOL_MESSAGES:
+        assert TOOL_MESSAGES[name].model_validate_json(raw).key == example["key"]
     else:
         assert type(decode_event(raw)).__name__ == name
         assert is_valid(example, "OutputEvent")

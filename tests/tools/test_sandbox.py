@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.tools.python_tool import DEFINITION, PythonTool, ToolError
+from sluice.tools.python_tool import DEFINITION, python_tool
+from sluice.tools.registry import ToolError
 from sluice.tools.sandbox import Limits, Sandbox, SandboxUnavailable
 
 LIMITS = Limits(wall_s=4.0, cpu_s=2, memory_bytes=256 << 20, processes=32, file_bytes=4 << 20)
@@ -98,10 +99,12 @@ def test_nothing_a_program_starts_outlives_it(sandbox):
 
 
 def test_the_python_tool_answers_with_the_output_or_says_why_not(sandbox):
-    tool = PythonTool(LIMITS)
-    assert DEFINITION["function"]["name"] == "python"
-    assert tool("print(123 * 457 + 19)") == "56230\n"
+    tool = python_tool(LIMITS)
+    assert DEFINITION["function"]["name"] == "python" and tool.definition == DEFINITION
+    assert tool('{"code": "print(123 * 457 + 19)"}') == "56230\n"
     with pytest.raises(ToolError, match="ZeroDivisionError"):
-        tool("print(1 / 0)")
+        tool('{"code": "print(1 / 0)"}')
     with pytest.raises(ToolError, match="CPU time limit"):
-        tool("while True:\n    pass")
+        tool('{"code": "while True:\\n    pass"}')
+    with pytest.raises(ToolError, match='"code"'):
+        tool('{"program": "print(1)"}')
