@@ -28,7 +28,14 @@ from typing import Any, TextIO
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
 
-from sluice.cli.formats import RESPONSE_FORMAT_HELP, response_format_arg
+from sluice.cli.formats import (
+    RESPONSE_FORMAT_HELP,
+    TOOL_CHOICE_HELP,
+    TOOLS_HELP,
+    response_format_arg,
+    tool_choice_arg,
+    tools_arg,
+)
 from sluice.cli.kafka_security_flags import add_kafka_security_arguments
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import (
@@ -93,6 +100,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         "--reply-topic", help="send this request's events here instead of PREFIX.tokens"
     )
     group.add_argument("--response-format", type=response_format_arg, help=RESPONSE_FORMAT_HELP)
+    group.add_argument("--tools", type=tools_arg, help=TOOLS_HELP)
+    group.add_argument("--tool-choice", type=tool_choice_arg, help=TOOL_CHOICE_HELP)
 
 
 SAMPLING_FLAGS = (
@@ -105,6 +114,8 @@ SAMPLING_FLAGS = (
     "priority",
     "reply_topic",
     "response_format",
+    "tools",
+    "tool_choice",
 )
 
 
@@ -391,6 +402,14 @@ def final_summary(event: FinalEvent) -> str:
     )
 
 
+def calls_text(event: TokenEvent) -> str:
+    """The tool calls a token event completed, a line each."""
+    return "".join(
+        f"[tool call {c.id}: {c.function.name}({c.function.arguments})]\n"
+        for c in event.tool_calls or []
+    )
+
+
 def error_line(event: ErrorEvent) -> str:
     who = f"request {event.request_id}" if event.request_id else "a message with no request id"
     return f"error: {who}: {event.code}: {event.message}"
@@ -471,7 +490,7 @@ class Grouped(Renderer):
             if isinstance(event, FinalEvent):
                 self.finals[rid] = event
         elif event.index == 0:  # with n > 1 the final event lists every completion
-            self.buffers[rid].append(event.text)
+            self.buffers[rid].append(event.text + calls_text(event))
         if self.current < len(self.order) and self.order[self.current] == rid:
             self._show(self.current, header=False)
 
@@ -535,7 +554,7 @@ class Prefixed(Renderer):
         if isinstance(event, TokenEvent):
             if event.index:
                 return  # with n > 1: completion 0 only (the final event lists every completion)
-            text = self.pending.get(rid, "") + event.text
+            text = self.pending.get(rid, "") + event.text + calls_text(event)
             *lines, rest = text.split("\n")
             while len(rest) > self.width:
                 cut = rest.rfind(" ", 0, self.width) + 1 or self.width

@@ -137,6 +137,48 @@ def test_produce_follow_streams_the_text_then_a_summary(pipeline):
 
 
 @integration
+def test_produce_with_tools_prints_the_calls_the_model_makes(pipeline, tmp_path):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    (tmp_path / "tools.json").write_text(json.dumps([weather]))
+    result = sluice(
+        "produce",
+        *kafka_flags(pipeline),
+        *GREEDY,
+        "--chat",
+        "--tools",
+        f"@{tmp_path / 'tools.json'}",
+        "--tool-choice",
+        "weather",
+        "--max-tokens",
+        "40",
+        "--follow",
+        "--timeout",
+        "150",
+        "What is the weather in Rome?",
+    )
+    assert result.returncode == 0, result.stderr
+    calls = re.findall(r"\[tool call call_[0-9a-f]{24}: weather\((.*)\)\]", result.stdout)
+    assert len(calls) == 1 and isinstance(json.loads(calls[0])["city"], str), result.stdout
+    assert result.stdout.splitlines()[-1].startswith("[tool_calls: ")
+    # without --chat the tools have nothing to go with: refused before anything is sent
+    refused = sluice(
+        "produce", *kafka_flags(pipeline), "--tools", "@" + str(tmp_path / "tools.json"), "x"
+    )
+    assert refused.returncode != 0 and "tools" in refused.stderr
+
+
+@integration
 def test_file_with_bad_lines_reports_them_by_line_and_field_and_sends_the_rest(pipeline, tmp_path):
     rid = f"file-{pipeline.prefix}"
     path = tmp_path / "requests.jsonl"
