@@ -42,12 +42,15 @@ def template_tools(request: GenerateRequest) -> list[dict[str, Any]] | None:
 
 
 def sampling_kwargs(request: GenerateRequest, tokenizer: Tokenizer | None) -> dict[str, Any]:
-    """The request's sampling parameters; a request that must call samples by the grammar of its
-    model's calls (its response_format is then unset: the schema refuses both)."""
+    """The request's sampling parameters; a request with tools samples by the grammar of its
+    model's calls where there is one (`ToolFormat.grammar`), unless it gave a response_format
+    (which the schema refuses beside a tool_choice that requires calls)."""
     kwargs = request.sampling_kwargs()
     tools = tools_of(request)
-    if tools is not None and tools.constrained and tokenizer is not None:
-        grammar = tokenizer.tool_format.grammar(tools)
+    if tools is None or not tools.parsed or tokenizer is None or request.response_format:
+        return kwargs
+    grammar = tokenizer.tool_format.grammar(tools)
+    if grammar is not None:
         kwargs["response_format"] = {"type": "grammar", "grammar": grammar}
     return kwargs
 

@@ -20,9 +20,11 @@ A template that does not render tools (SmolLM2's, Gemma's) gets them from sluice
 tools described in the system message, earlier calls and their results written as hermes text.
 
 `ToolFormat.grammar` gives the Lark grammar (llguidance's dialect) that holds a completion to
-calls only (``tool_choice`` ``required`` or a named function): each call's arguments follow its
-function's JSON Schema, written with the separators ``json.dumps`` uses (what templates render
-and models imitate), so that they always parse and validate.
+calls only (``tool_choice`` ``required`` or a named function), or, with ``auto``, lets it write
+text and then holds the calls it opens (where the opening tag is a token of the model's own, as
+Qwen2.5's ``<tool_call>`` is): each call's arguments follow its function's JSON Schema, written
+with the separators ``json.dumps`` uses (what templates render and models imitate), so that they
+always parse and validate.
 """
 
 from __future__ import annotations
@@ -161,9 +163,12 @@ class ToolFormat(ABC):
         """The content and calls of a completion's text."""
 
     @abstractmethod
-    def grammar(self, tools: Tools) -> str:
-        """A Lark grammar that allows calls only: one or more (one when `tools.parallel` is
-        false, or a function is forced), each to `tools.forced` or any of the tools."""
+    def grammar(self, tools: Tools) -> str | None:
+        """The Lark grammar a completion samples by. Calls must be made (``tools.constrained``):
+        calls only, one or more (one when `tools.parallel` is false, or a function is forced),
+        each to `tools.forced` or any of the tools. Otherwise (``auto``): any text, then calls
+        held to the tools' schemas, where the format can tell a call's start from text (its
+        opening tag is a token of the model's own); None where it cannot."""
 
     def system_text(self, tools: Tools) -> str:
         """The tools, described for a model whose chat template does not render them."""
@@ -218,13 +223,13 @@ class ToolFormat(ABC):
         return {"x-guidance": _JSON_STYLE, **schema}
 
     @staticmethod
-    def _repeat(tools: Tools, one: str, separator: str) -> str:
+    def _calls(tools: Tools, one: str, separator: str) -> str:
         """Calls, and the separator after the last one too (then the end: a model writes the
         separator before it knows whether another call follows)."""
         sep = json.dumps(separator)
         if tools.parallel and tools.forced is None:
-            return f"start: {one} ({sep} {one})* {sep}?"
-        return f"start: {one} {sep}?"
+            return f"{one} ({sep} {one})* {sep}?"
+        return f"{one} {sep}?"
 
 
 class HermesFormat(ToolFormat):
@@ -267,11 +272,19 @@ class HermesFormat(ToolFormat):
         content.append(rest)
         return _settled("".join(content), calls, final)
 
-    def grammar(self, tools: Tools) -> str:
+    def grammar(self, tools: Tools) -> str | None:
+        calls = self._calls(tools, "call", "\n")
+        if tools.constrained:
+            start = f"start: {calls}"
+        elif self.tokenizer is not None and self.tokenizer.is_added_token(self.OPEN):
+            # (text cannot spell the tag's token: the token begins a call, and nothing else)
+            start = f"start: TEXT | TEXT {calls}\nTEXT: /(?s:.*)/"
+        else:
+            return None
         schema = json.dumps(self._call_schema(tools, "arguments"), ensure_ascii=False)
         return "\n".join(
             [
-                self._repeat(tools, "call", "\n"),
+                start,
                 f'call: {self._literal(self.OPEN)} "\\n" body "\\n" {self._literal(self.CLOSE)}',
                 f"body: %json {schema}",
             ]
@@ -292,9 +305,11 @@ class Llama3JsonFormat(ToolFormat):
                 return ToolView("", tuple(c for c in found if c is not None))
         return ToolView(text)
 
-    def grammar(self, tools: Tools) -> str:
+    def grammar(self, tools: Tools) -> str | None:
+        if not tools.constrained:
+            return None  # (a call is an answer that is only JSON: no sign of it before it ends)
         schema = json.dumps(self._call_schema(tools, "parameters"), ensure_ascii=False)
-        return "\n".join([self._repeat(tools, "body", "; "), f"body: %json {schema}"])
+        return "\n".join([f"start: {self._calls(tools, 'body', '; ')}", f"body: %json {schema}"])
 
 
 def _settled(content: str, calls: list[ToolCall], final: bool) -> ToolView:

@@ -165,6 +165,13 @@ def test_the_grammar_of_required_calls_holds_names_and_arguments_to_the_schemas(
     assert _walk(tokenizer, named, code) and not _walk(tokenizer, named, oslo)
 
 
+def test_with_auto_no_grammar_where_a_call_cannot_be_told_from_text():
+    tokenizer, _ = load_tokenizer(None)  # the tag is characters any text may hold
+    assert HermesFormat(tokenizer).grammar(Tools((WEATHER,))) is None
+    assert Llama3JsonFormat(tokenizer).grammar(Tools((WEATHER,))) is None
+    assert Llama3JsonFormat(tokenizer).grammar(Tools((WEATHER,), choice="required")) is not None
+
+
 def test_a_template_without_tools_gets_them_written_in_by_sluice():
     tokenizer, _ = load_tokenizer(None)  # SmolLM2's template knows nothing of tools
     call = {
@@ -230,3 +237,16 @@ def test_qwen_writes_its_tool_tags_as_its_own_tokens_under_the_grammar():
     view = tokenizer.tool_format.view(call, Tools((WEATHER,)), final=True)
     schema = WEATHER["function"]["parameters"]
     assert list(Draft202012Validator(schema).iter_errors(json.loads(view.calls[0].arguments))) == []
+
+
+def test_with_auto_qwen_writes_any_text_but_each_call_it_opens_follows_the_schema():
+    tokenizer = _qwen_tokenizer()
+    grammar = tokenizer.tool_format.grammar(Tools((WEATHER, PYTHON)))
+    assert grammar is not None
+    oslo = _hermes_call("weather", {"city": "Oslo"})
+    assert _walk(tokenizer, grammar, "It is sunny in Oslo today.")
+    assert _walk(tokenizer, grammar, '```json\n{"name": "weather"}\n```')  # (read, not held)
+    assert _walk(tokenizer, grammar, f"Let me look.\n{oslo}\n")
+    assert not _walk(tokenizer, grammar, _hermes_call("weather", {"town": "Oslo"}))
+    assert not _walk(tokenizer, grammar, "<tool_call>\nweather(Oslo)\n</tool_call>")
+    assert not _walk(tokenizer, grammar, f"{oslo}\nAnd more text.")
