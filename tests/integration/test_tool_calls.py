@@ -15,9 +15,11 @@ import pytest
 from jsonschema import Draft202012Validator
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from sluice.actors.tool_calls import call_id
 from sluice.testing.openai_bodies import sent_by_client
 from sluice.testing.pipeline_harness import (
     PipelineProcess,
+    Watcher,
     collect,
     new_prefix,
     publish,
@@ -154,3 +156,70 @@ async def test_tool_calls_over_kafka_in_both_event_formats(bootstrap_servers, re
     assert answer["finish_reason"] in ("stop", "length") and answer["text"]
     assert "tool_calls" not in answer or answer["tool_calls"] is None
     assert answer["usage"]["cached_tokens"] > 0
+
+
+async def test_a_call_cut_by_a_sigkill_is_finished_by_the_resumed_stream(
+    bootstrap_servers, tmp_path
+):
+    """Killed while the model writes a long call (its text held back, as a call's text is): the
+    resumed stream goes on from the tokens published before the kill, and its events carry the
+    one call, whole, under the id an uninterrupted stream gives it."""
+    prefix = new_prefix()
+    rid = "call-resumed"
+    note = {
+        "type": "function",
+        "function": {
+            "name": "note",
+            "description": "Keep a long note.",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string", "minLength": 300, "maxLength": 400}},
+                "required": ["text"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = request(
+        rid,
+        messages=[{"role": "user", "content": "Write a long note about rivers."}],
+        tools=[note],
+        tool_choice={"type": "function", "function": {"name": "note"}},
+        temperature=0.8,
+        seed=5,
+        max_tokens=400,
+    )
+    processes = [PipelineProcess(bootstrap_servers, None, prefix, tmp_path, name="first")]
+    try:
+        processes[0].wait_ready()
+        async with Watcher(bootstrap_servers, prefix) as watcher:
+            await publish(bootstrap_servers, f"{prefix}.requests", [body])
+            await watcher.wait_for(lambda s: len(s.events[rid]) >= 12, 240, "12 token events")
+            processes[0].kill()
+            await watcher.caught_up()
+            before = {e["seq"]: e for e in watcher.streams.events[rid] if e["type"] == "token"}
+            assert not watcher.streams.finals(rid)  # killed mid-call
+            assert not any(e.get("tool_calls") for e in before.values())  # (the call still open)
+            processes.append(
+                PipelineProcess(bootstrap_servers, None, prefix, tmp_path, name="after-kill")
+            )
+            processes[1].wait_ready()
+            streams = await watcher.wait_finals({rid}, timeout=300)
+    finally:
+        for process in processes:
+            process.kill()
+
+    events = streams.events[rid]
+    by_seq: dict[int, dict] = {}
+    for event in (e for e in events if e["type"] == "token"):
+        first = by_seq.setdefault(event["seq"], event)
+        assert first == event, f"seq {event['seq']} published with two contents"
+    assert all(by_seq[s] == e for s, e in before.items())  # what was out stays as it was
+    final = next(e for e in events if e["type"] == "final")
+    assert final["finish_reason"] == "tool_calls", final
+    streamed = [c for s in sorted(by_seq) for c in by_seq[s].get("tool_calls") or []]
+    (call,) = final["tool_calls"]
+    assert streamed == [call] and call["id"] == call_id(rid, 0, 0)
+    assert call["function"]["name"] == "note"
+    text = json.loads(call["function"]["arguments"])["text"]
+    assert 300 <= len(text) <= 400
+    assert "".join(by_seq[s]["text"] for s in sorted(by_seq)) == final["text"] == ""
