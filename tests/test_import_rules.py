@@ -20,6 +20,7 @@ ALLOWED = {
     "connectors": {"schemas"},
     "actors": {"engine", "connectors", "schemas"},
     "tools": {"connectors", "schemas"},
+    "harness": {"connectors", "schemas"},
 }
 
 

@@ -7,6 +7,7 @@ import sys
 
 from sluice import __version__
 from sluice.cli import (
+    agent,
     bench,
     chat,
     demo,
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench,
         models,
         tools,
+        agent,
     )
     for module in commands:
         module.register(sub)

@@ -4,7 +4,8 @@
 ``additionalProperties: false`` because requests reject unknown fields), ``TokenEvent``,
 ``FinalEvent``, ``ErrorEvent`` (what sluice sends; open to new fields, which consumers ignore), and
 ``OutputEvent`` (any event, told apart by ``type``), and the messages of tool calls and their
-results (``ToolCallMessage``, ``ToolResultMessage``) for tool workers in other languages.
+results (``ToolCallMessage``, ``ToolResultMessage``) for tool workers in other languages, and the
+harness's (``HarnessRequest``, ``HarnessStep``, ``HarnessFinal``: docs/HARNESS.md).
 ``sluice schema`` prints them.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from .events import ErrorEvent, FinalEvent, OutputEvent, TokenEvent
+from .harness import HarnessFinal, HarnessRequest, HarnessStep
 from .request import GenerateRequest
 from .tool_messages import ToolCallMessage, ToolResultMessage
 from .version import SCHEMA_VERSION
@@ -46,5 +48,12 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         ),
         "ToolResultMessage": _stamp(
             ToolResultMessage.model_json_schema(mode="serialization"), "ToolResultMessage"
+        ),
+        "HarnessRequest": _stamp(
+            HarnessRequest.model_json_schema(mode="validation"), "HarnessRequest"
+        ),
+        "HarnessStep": _stamp(HarnessStep.model_json_schema(mode="serialization"), "HarnessStep"),
+        "HarnessFinal": _stamp(
+            HarnessFinal.model_json_schema(mode="serialization"), "HarnessFinal"
         ),
     }

@@ -59,6 +59,9 @@ def test_all_schemas_are_exported_as_plain_json():
         "OutputEvent",
         "ToolCallMessage",
         "ToolResultMessage",
+        "HarnessRequest",
+        "HarnessStep",
+        "HarnessFinal",
     }
     for name, schema in SCHEMAS.items():
         assert json.loads(json.dumps(schema)) == schema

@@ -1,0 +1,190 @@
+"""`sluice agent`: the reasoning harness over Kafka.
+
+``sluice agent serve`` runs the harness service (`sluice/harness/service.py`) beside a pipeline
+(`sluice run`) and tool workers (`sluice tools serve`). ``sluice agent run QUESTION --python``
+asks it for a run and prints the run's steps as they happen, then its answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from typing import Any
+
+from sluice.cli.client import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    ClientError,
+    add_kafka_arguments,
+    bootstrap_from_args,
+    run_async,
+)
+from sluice.cli.formats import TOOL_CHOICE_HELP, tool_choice_arg, tools_arg
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "agent", help="the reasoning harness: model turns and tool calls as a durable loop"
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    serve = actions.add_parser("serve", help="run the harness service until stopped")
+    add_kafka_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+    ask = actions.add_parser("run", help="ask the harness a question and print the run")
+    ask.add_argument("question")
+    ask.add_argument("--system", help="a system message before the question")
+    ask.add_argument("--tools", type=tools_arg, help="tools (JSON array or @FILE)")
+    ask.add_argument("--python", action="store_true", help="offer the sandboxed python tool")
+    ask.add_argument("--tool-choice", type=tool_choice_arg, help=TOOL_CHOICE_HELP)
+    ask.add_argument("--max-steps", type=int, help="most model turns (default 8)")
+    ask.add_argument("--max-tool-calls", type=int, help="most tool calls (default 16)")
+    ask.add_argument("--max-tokens", type=int, help="most tokens of one turn (default 512)")
+    ask.add_argument("--temperature", type=float, help="default 0 (greedy)")
+    ask.add_argument("--seed", type=int)
+    ask.add_argument("--timeout-s", type=float, help="the run's wall-clock budget (default 600)")
+    ask.add_argument("--run-id", help="default: a fresh uuid4 hex")
+    ask.add_argument("--json", action="store_true", help="print each event as a JSON line")
+    ask.add_argument("--wait", type=float, default=900, help="give up after this many seconds")
+    add_kafka_arguments(ask)
+    ask.set_defaults(func=run_ask)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from sluice.harness.service import serve
+
+    try:
+        asyncio.run(serve(bootstrap_from_args(args), args.topic_prefix))
+    except KeyboardInterrupt:
+        return EXIT_OK
+    return EXIT_OK
+
+
+def request_body(args: argparse.Namespace) -> dict[str, Any]:
+    tools = list(args.tools or [])
+    if args.python:
+        from sluice.tools.python_tool import DEFINITION
+
+        tools.append(DEFINITION)
+    if not tools:
+        raise ClientError("give the run tools: --tools FILE or --python")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    body: dict[str, Any] = {
+        "run_id": args.run_id or uuid.uuid4().hex,
+        "messages": messages + [{"role": "user", "content": args.question}],
+        "tools": tools,
+    }
+    for name in (
+        "tool_choice",
+        "max_steps",
+        "max_tool_calls",
+        "max_tokens",
+        "temperature",
+        "seed",
+        "timeout_s",
+    ):
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
+    return body
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    return run_async(ask(args), "agent run")
+
+
+async def ask(args: argparse.Namespace) -> int:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from pydantic import ValidationError
+
+    from sluice.connectors.kafka_security import kafka_client_options
+    from sluice.connectors.topics import ensure_topics
+    from sluice.harness.service import PARTITIONS, harness_topics
+    from sluice.schemas.harness import HarnessRequest
+
+    try:
+        request = HarnessRequest.model_validate(request_body(args))
+    except ValidationError as e:
+        raise ClientError(f"not a valid run: {e.errors()[0]['msg']}") from None
+    bootstrap = bootstrap_from_args(args)
+    topics = harness_topics(args.topic_prefix)
+    await ensure_topics(bootstrap, {topics["requests"]: PARTITIONS, topics["events"]: PARTITIONS})
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, **kafka_client_options()
+    )
+    await consumer.start()
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, enable_idempotence=True, **kafka_client_options()
+    )
+    await producer.start()
+    try:
+        partitions = [
+            TopicPartition(topics["events"], p)
+            for p in consumer.partitions_for_topic(topics["events"])
+            or await _partitions(bootstrap, topics["events"])
+        ]
+        consumer.assign(partitions)
+        await consumer.seek_to_end(*partitions)
+        for tp in partitions:
+            await consumer.position(tp)  # (fixed now: nothing after the publish is missed)
+        value = request.model_dump_json(exclude_none=True).encode()
+        await producer.send_and_wait(topics["requests"], key=request.run_id.encode(), value=value)
+        print(f"run {request.run_id}", file=sys.stderr)
+        return await _follow(consumer, request.run_id, args.json, args.wait)
+    finally:
+        await producer.stop()
+        await consumer.stop()
+
+
+async def _partitions(bootstrap: str, topic: str) -> list[int]:
+    from sluice.connectors.topics import partitions_of
+
+    return await partitions_of(bootstrap, topic)
+
+
+async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int:
+    seen: set[int] = set()
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        batch = await consumer.getmany(timeout_ms=500)
+        for records in batch.values():
+            for record in records:
+                event = json.loads(record.value)
+                if event.get("run_id") != run_id or event.get("seq") in seen:
+                    continue
+                seen.add(event["seq"])
+                if as_json:
+                    print(json.dumps(event, ensure_ascii=False), flush=True)
+                else:
+                    print(_line(event), flush=True)
+                if event.get("type") == "harness_final":
+                    return EXIT_OK if event["stop_reason"] == "answer" else EXIT_FAILED
+    return EXIT_TIMEOUT
+
+
+def _line(event: dict[str, Any]) -> str:
+    if event.get("type") == "harness_final":
+        return (
+            f"{event['answer']}\n[{event['stop_reason']}: {event['steps']} turns, "
+            f"{event['tool_calls']} tool calls, {event['completion_tokens']} tokens, "
+            f"{event['seconds']:.1f} s]"
+        )
+    step = event["step"]
+    if event["kind"] == "model":
+        calls = ", ".join(c["function"]["name"] for c in event.get("tool_calls") or [])
+        said = (event.get("text") or "").strip()
+        return (
+            f"[turn {step}]"
+            + (f" {said}" if said else "")
+            + (f" -> calls {calls}" if calls else "")
+        )
+    if event["kind"] == "tool_call":
+        call = event["call"]
+        return f"[call {call['key']}] {call['name']}({call['arguments']})"
+    result = event["result"]
+    status = "ok" if result["ok"] else f"error {result.get('error')}"
+    return f"[result {result['key']}] {status}: {result['content'].strip()[:500]}"

@@ -1,0 +1,257 @@
+"""One harness run as a state machine with no I/O: each input (the run's request, a model turn's
+final event, a tool's result, the clock) moves it on and returns what to publish (`Outbox`). The
+service (`service.py`) publishes that, then keeps the state, then commits the input.
+
+The loop: model turn → its tool calls → their results → the next turn (the conversation so far,
+the results as ``tool`` messages) → ... → a turn that calls nothing is the answer. Budgets (turns,
+calls, tokens, seconds) and failing tools (several in a row) end it early, each with its own stop
+reason. A failed call is shown to the model as an error, so it may correct itself.
+
+Everything a run publishes is named by the run and its place in it: model turn ``k`` is request
+``RUN.mk``, call ``i`` of turn ``k`` has idempotency key ``RUN/k/i``, events are numbered. A
+transition made again (the service stopped after publishing and before keeping the state) publishes
+the same names, which the pipeline (by request id), the tool workers (by key) and the run's
+readers (by seq) each take once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sluice.schemas.events import ErrorEvent, FinalEvent
+from sluice.schemas.harness import HarnessFinal, HarnessRequest, HarnessStep, StopReason
+from sluice.schemas.tool_messages import ToolCallMessage, ToolResultMessage
+
+
+@dataclass(frozen=True)
+class Topics:
+    requests: str  # the pipeline's requests topic
+    replies: str  # where model turns' events come back
+    events: str  # the run's events, for whoever asked for it
+    tool_results: str
+    tool_prefix: str  # a tool's calls go to TOOL_PREFIX.<name>
+
+
+@dataclass
+class Outbox:
+    """What a transition publishes: (topic, key, message) each."""
+
+    records: list[tuple[str, str, BaseModel | dict[str, Any]]] = field(default_factory=list)
+
+    def add(self, topic: str, key: str, message: BaseModel | dict[str, Any]) -> None:
+        self.records.append((topic, key, message))
+
+
+class RunState(BaseModel):
+    """A run as the state topic keeps it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request: HarnessRequest
+    started_at: float  # unix seconds
+    step: int = 0
+    phase: Literal["model", "tools", "done"] = "model"
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    waiting_model: str | None = None  # the request id of the turn it waits for
+    calls: dict[str, dict[str, Any]] = Field(default_factory=dict)  # key -> call, this turn's
+    results: dict[str, dict[str, Any]] = Field(default_factory=dict)  # key -> result, this turn's
+    seq: int = 0
+    tool_calls: int = 0
+    failures_in_row: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    last_text: str = ""
+    stop_reason: StopReason | None = None
+    trace: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class Run:
+    def __init__(self, state: RunState, topics: Topics):
+        self.state = state
+        self.topics = topics
+        self.now = state.started_at  # the time of the input being handled
+
+    @property
+    def run_id(self) -> str:
+        return self.state.request.run_id
+
+    @property
+    def done(self) -> bool:
+        return self.state.phase == "done"
+
+    @classmethod
+    def start(cls, request: HarnessRequest, topics: Topics, now: float) -> tuple[Run, Outbox]:
+        state = RunState(
+            request=request,
+            started_at=now,
+            messages=[m.model_dump(exclude_none=True) for m in request.messages],
+        )
+        run = cls(state, topics)
+        run.now = now
+        out = Outbox()
+        run._model_turn(out)
+        return run, out
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def on_model_event(self, event: FinalEvent | ErrorEvent, now: float) -> Outbox:
+        out, s, self.now = Outbox(), self.state, now
+        if s.phase != "model" or event.request_id != s.waiting_model:
+            return out  # (a copy of a turn already taken)
+        s.waiting_model = None
+        if isinstance(event, ErrorEvent):
+            self._finish(out, "error", error=f"model turn {s.step}: {event.code}: {event.message}")
+            return out
+        s.prompt_tokens += event.usage.prompt_tokens
+        s.completion_tokens += event.usage.completion_tokens
+        s.last_text = event.text
+        calls = [c.model_dump(exclude={"index"}) for c in event.tool_calls or []]
+        self._event(out, "model", text=event.text, tool_calls=calls or None)
+        if event.finish_reason == "error":
+            failure = event.error.message if event.error else "the model turn failed"
+            self._finish(out, "error", error=failure)
+        elif not calls:
+            self._finish(out, "answer")
+        elif s.tool_calls + len(calls) > s.request.max_tool_calls:
+            self._finish(out, "max_tool_calls")
+        else:
+            self._call_tools(out, calls, now)
+        return out
+
+    def on_tool_result(self, result: ToolResultMessage, now: float) -> Outbox:
+        out, s, self.now = Outbox(), self.state, now
+        if s.phase != "tools" or result.key not in s.calls or result.key in s.results:
+            return out  # (another run's, or a copy of one taken)
+        s.results[result.key] = result.model_dump()
+        self._event(out, "tool_result", result=s.results[result.key])
+        if len(s.results) == len(s.calls):
+            self._next_turn(out, now)
+        return out
+
+    def on_clock(self, now: float) -> Outbox:
+        out, self.now = Outbox(), now
+        if not self.done and now - self.state.started_at > self.state.request.timeout_s:
+            self._finish(out, "timeout")
+        return out
+
+    # -- moves -------------------------------------------------------------------------------
+
+    def _model_turn(self, out: Outbox) -> None:
+        s, r = self.state, self.state.request
+        room = r.max_total_tokens - s.completion_tokens
+        if room <= 0:
+            self._finish(out, "budget")
+            return
+        request_id = f"{r.run_id}.m{s.step}"
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "messages": s.messages,
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools],
+            "tool_choice": _choice(r) if s.step == 0 else "auto",
+            "temperature": r.temperature,
+            "max_tokens": min(r.max_tokens, room),
+            "stream": False,
+            "event_format": "sluice",
+            "reply_topic": self.topics.replies,
+            "metadata": {"harness_run": r.run_id, "step": s.step},
+        }
+        if r.seed is not None:
+            body["seed"] = r.seed
+        s.phase, s.waiting_model, s.calls, s.results = "model", request_id, {}, {}
+        out.add(self.topics.requests, request_id, body)
+
+    def _call_tools(self, out: Outbox, calls: list[dict[str, Any]], now: float) -> None:
+        s, r = self.state, self.state.request
+        s.messages.append(
+            {"role": "assistant", "content": s.last_text or None, "tool_calls": calls}
+        )
+        s.phase = "tools"
+        known = {t.function.name for t in r.tools}
+        for i, call in enumerate(calls):
+            key = f"{r.run_id}/{s.step}/{i}"
+            s.calls[key] = call
+            s.tool_calls += 1
+            name = call["function"]["name"]
+            message = ToolCallMessage(
+                key=key,
+                request_id=r.run_id,
+                call_id=call["id"],
+                name=name,
+                arguments=call["function"]["arguments"],
+                reply_topic=self.topics.tool_results,
+                deadline=s.started_at + r.timeout_s,
+            )
+            self._event(out, "tool_call", call=message.model_dump())
+            if name in known:
+                out.add(f"{self.topics.tool_prefix}.{name}", key, message)
+            else:  # no worker serves it: the model hears so at once
+                answer = ToolResultMessage(
+                    key=key,
+                    request_id=r.run_id,
+                    call_id=call["id"],
+                    name=name,
+                    ok=False,
+                    content=f"no tool named {name!r} (the tools: {', '.join(sorted(known))})",
+                    error="unknown_tool",
+                    worker="harness",
+                )
+                s.results[key] = answer.model_dump()
+                self._event(out, "tool_result", result=s.results[key])
+        if len(s.results) == len(s.calls):
+            self._next_turn(out, now)
+
+    def _next_turn(self, out: Outbox, now: float) -> None:
+        s, r = self.state, self.state.request
+        for key, call in s.calls.items():
+            result = s.results[key]
+            content = result["content"]
+            if result["ok"]:
+                s.failures_in_row = 0
+            else:
+                s.failures_in_row += 1
+                content = f"error ({result.get('error')}): {content}"
+            s.messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        s.step += 1
+        if s.failures_in_row >= r.max_tool_failures:
+            self._finish(out, "tool_failures")
+        elif s.step >= r.max_steps:
+            self._finish(out, "max_steps")
+        elif now - s.started_at > r.timeout_s:
+            self._finish(out, "timeout")
+        else:
+            self._model_turn(out)
+
+    def _event(self, out: Outbox, kind: str, **fields: Any) -> None:
+        s = self.state
+        event = HarnessStep(run_id=self.run_id, seq=s.seq, step=s.step, kind=kind, **fields)
+        s.seq += 1
+        s.trace.append(event.model_dump(exclude={"schema_version", "run_id", "seq", "type"}))
+        out.add(self.topics.events, self.run_id, event)
+
+    def _finish(self, out: Outbox, reason: StopReason, error: str | None = None) -> None:
+        s = self.state
+        final = HarnessFinal(
+            run_id=self.run_id,
+            seq=s.seq,
+            answer=s.last_text,
+            stop_reason=reason,
+            steps=s.step + (1 if s.phase == "model" else 0),
+            tool_calls=s.tool_calls,
+            completion_tokens=s.completion_tokens,
+            prompt_tokens=s.prompt_tokens,
+            seconds=round(max(0.0, self.now - s.started_at), 3),
+            trace=s.trace,
+            error=error,
+            metadata=s.request.metadata,
+        )
+        s.seq += 1
+        s.phase, s.waiting_model, s.stop_reason = "done", None, reason
+        out.add(self.topics.events, self.run_id, final)
+
+
+def _choice(request: HarnessRequest) -> Any:
+    choice = request.tool_choice
+    return choice if isinstance(choice, str) else choice.model_dump()

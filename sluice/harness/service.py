@@ -1,0 +1,190 @@
+"""The harness service (``sluice agent serve``): it reads run requests from ``PREFIX.harness``, the
+model turns' events from ``PREFIX.replies.harness`` and tool results from ``PREFIX.tool-results``,
+moves each run on (`run.py`), and publishes what that says: model turns to ``PREFIX.requests``,
+tool calls to ``PREFIX.tools.<name>``, the run's events to ``PREFIX.harness-events``.
+
+Crash-safe by order: for each input it publishes first (and waits until Kafka has it all), then
+keeps the run's state in the compacted ``PREFIX.harness-state``, then commits the input. Stopped
+anywhere, it starts from the states it kept and reads the uncommitted inputs again; a transition
+made twice publishes the same names (`run.py`), which their readers take once, so every model turn
+is served once, every tool call is run once and every run ends with one final.
+
+One service serves every run (it reads all partitions); a second one would share no state with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from pydantic import BaseModel, ValidationError
+
+from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
+from sluice.connectors.kafka_producer import EventProducer
+from sluice.connectors.kafka_security import kafka_client_options
+from sluice.connectors.topics import ensure_topics, partitions_of
+from sluice.harness.run import Outbox, Run, RunState, Topics
+from sluice.schemas import decode_event
+from sluice.schemas.events import ErrorEvent, FinalEvent
+from sluice.schemas.harness import HarnessRequest
+from sluice.schemas.tool_messages import ToolResultMessage
+
+log = logging.getLogger(__name__)
+
+PARTITIONS = 4
+
+
+def harness_topics(prefix: str) -> dict[str, str]:
+    return {
+        "requests": f"{prefix}.harness",
+        "events": f"{prefix}.harness-events",
+        "replies": f"{prefix}.replies.harness",
+        "tool_results": f"{prefix}.tool-results",
+        "state": f"{prefix}.harness-state",
+    }
+
+
+class HarnessService:
+    def __init__(self, bootstrap_servers: str, prefix: str):
+        self.bootstrap_servers = bootstrap_servers
+        self.prefix = prefix
+        self.names = harness_topics(prefix)
+        self.topics = Topics(
+            requests=f"{prefix}.requests",
+            replies=self.names["replies"],
+            events=self.names["events"],
+            tool_results=self.names["tool_results"],
+            tool_prefix=f"{prefix}.tools",
+        )
+        self.runs: dict[str, Run] = {}
+        self._producer: EventProducer | None = None
+        self._states: Changelog | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+
+    async def start(self) -> None:
+        n = self.names
+        await ensure_topics(
+            self.bootstrap_servers,
+            {t: PARTITIONS for t in (n["requests"], n["events"], n["replies"], n["tool_results"])}
+            | {self.topics.requests: PARTITIONS},
+        )
+        await ensure_topics(self.bootstrap_servers, {n["state"]: PARTITIONS}, config=TOPIC_CONFIG)
+        self._producer = EventProducer(
+            bootstrap_servers=self.bootstrap_servers, client_id="harness"
+        )
+        await self._producer.start()
+        self._states = Changelog(self.bootstrap_servers, n["state"], self._producer)
+        await self._states.start()
+        for run_id in self._states.keys():
+            raw = self._states.get(run_id)
+            if raw is not None:
+                self.runs[run_id] = Run(RunState.model_validate_json(raw), self.topics)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            group_id=f"{self.prefix}.harness",
+            client_id="harness",
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            **kafka_client_options(),
+        )
+        await self._consumer.start()
+        inputs = (n["requests"], n["replies"], n["tool_results"])
+        partitions = [
+            TopicPartition(topic, p)
+            for topic in inputs
+            for p in await partitions_of(self.bootstrap_servers, topic)
+        ]
+        self._consumer.assign(partitions)
+        unfinished = sum(not r.done for r in self.runs.values())
+        log.info(
+            "harness serving runs from %s (%d kept, %d unfinished)",
+            n["requests"],
+            len(self.runs),
+            unfinished,
+        )
+
+    async def stop(self) -> None:
+        for part in (self._consumer, self._states, self._producer):
+            if part is not None:
+                await part.stop()
+
+    async def run(self) -> None:
+        assert self._consumer is not None
+        while True:
+            batch = await self._consumer.getmany(timeout_ms=500)
+            for tp, records in batch.items():
+                for record in records:
+                    await self._handle(tp.topic, record.value)
+                    await self._consumer.commit({tp: record.offset + 1})
+            await self._clock()
+
+    async def _clock(self) -> None:
+        now = time.time()
+        for run in list(self.runs.values()):
+            if not run.done:
+                await self._apply(run, run.on_clock(now))
+
+    async def _handle(self, topic: str, raw: bytes | None) -> None:
+        now = time.time()
+        if topic == self.names["requests"]:
+            try:
+                request = HarnessRequest.model_validate_json(raw or b"")
+            except ValidationError as e:
+                log.error("not a harness request, skipped: %s", e.errors()[:1])
+                return
+            if request.run_id in self.runs:
+                log.info("run %s asked for again: it is under way or done", request.run_id)
+                return
+            run, out = Run.start(request, self.topics, now)
+            self.runs[request.run_id] = run
+            log.info("run %s: started", request.run_id)
+            await self._apply(run, out)
+        elif topic == self.names["replies"]:
+            try:
+                event = decode_event(raw or b"")
+            except Exception:
+                return
+            if not isinstance(event, (FinalEvent, ErrorEvent)) or event.request_id is None:
+                return
+            run_id = event.request_id.rpartition(".m")[0]
+            if run_id in self.runs:
+                await self._apply(self.runs[run_id], self.runs[run_id].on_model_event(event, now))
+        else:
+            try:
+                result = ToolResultMessage.model_validate_json(raw or b"")
+            except ValidationError:
+                return
+            if result.request_id in self.runs:
+                run = self.runs[result.request_id]
+                await self._apply(run, run.on_tool_result(result, now))
+
+    async def _apply(self, run: Run, out: Outbox) -> None:
+        """Publish what a transition says, then keep the run's state."""
+        assert self._producer is not None and self._states is not None
+        if not out.records:
+            return
+        delivered = []
+        for topic, key, message in out.records:
+            value = message.model_dump_json() if isinstance(message, BaseModel) else _dumps(message)
+            delivered.append(await self._producer.send(topic, key=key, value=value.encode()))
+        await asyncio.gather(*delivered)
+        await self._states.put({run.run_id: run.state.model_dump_json().encode()})
+        if run.done:
+            log.info("run %s: ended (%s)", run.run_id, run.state.stop_reason)
+
+
+def _dumps(message: dict) -> str:
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+
+
+async def serve(bootstrap_servers: str, prefix: str) -> None:
+    service = HarnessService(bootstrap_servers, prefix)
+    await service.start()
+    try:
+        await service.run()
+    finally:
+        await service.stop()

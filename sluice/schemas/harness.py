@@ -1,0 +1,90 @@
+"""The harness's wire: a `HarnessRequest` on ``PREFIX.harness`` asks for a run (a question, the
+tools the model may use, its budgets), and the run's events come back on ``PREFIX.harness-events``
+(key: the run id): a `HarnessStep` for each model turn, tool call and tool result as it happens,
+then one `HarnessFinal` with the answer and the trace. As every sluice event, each carries
+``(run_id, seq)``: a copy sent again after a crash has the same content, and a consumer drops a
+``seq`` it has seen.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+from .request import MAX_ID_LENGTH, Message
+from .tools import MAX_TOOLS, Tool, ToolChoice
+from .version import SCHEMA_VERSION
+
+StopReason = Literal[
+    "answer", "max_steps", "max_tool_calls", "budget", "timeout", "tool_failures", "error"
+]
+
+
+class HarnessRequest(BaseModel):
+    """A run: the model turns and tool calls that answer `messages`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH - 16)] = Field(
+        default_factory=lambda: uuid.uuid4().hex,
+        description="Echoed on every event; its model turns are requests RUN_ID.m0, .m1, ...",
+    )
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] = Field(min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice = Field(
+        "auto",
+        description="For the first turn (required: make it call); later turns choose (auto), "
+        "so that a run cannot be held to calling forever.",
+    )
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    max_tokens: int = Field(512, ge=1, le=32768, description="Most tokens of one model turn.")
+    max_steps: int = Field(8, ge=1, le=64, description="Most model turns.")
+    max_tool_calls: int = Field(16, ge=0, le=1024)
+    max_total_tokens: int = Field(8192, ge=1, description="Most tokens generated over the run.")
+    timeout_s: float = Field(600.0, gt=0, allow_inf_nan=False, description="Wall-clock budget.")
+    max_tool_failures: int = Field(
+        3, ge=1, description="Tool calls failing in a row (each shown to the model) that end it."
+    )
+    metadata: dict[str, JsonValue] | None = None
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    seq: int = Field(ge=0)
+
+
+class HarnessStep(_Event):
+    """One thing that happened in a run."""
+
+    type: Literal["step"] = "step"
+    step: int = Field(ge=0, description="The model turn it belongs to.")
+    kind: Literal["model", "tool_call", "tool_result"]
+    text: str | None = Field(None, description="model: what the turn said besides its calls.")
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="model: the calls made.")
+    call: dict[str, Any] | None = Field(None, description="tool_call: the call as published.")
+    result: dict[str, Any] | None = Field(None, description="tool_result: the worker's answer.")
+
+
+class HarnessFinal(_Event):
+    """How a run ended: its answer (the last turn's text), why it stopped, what it cost."""
+
+    type: Literal["harness_final"] = "harness_final"
+    answer: str
+    stop_reason: StopReason
+    steps: int = Field(ge=0, description="Model turns taken.")
+    tool_calls: int = Field(ge=0, description="Tool calls made.")
+    completion_tokens: int = Field(ge=0)
+    prompt_tokens: int = Field(ge=0, description="Over every turn (cached ones included).")
+    seconds: float = Field(ge=0)
+    trace: list[dict[str, Any]] = Field(
+        default_factory=list, description="Every step: the turns, calls and results, in order."
+    )
+    error: str | None = None
+    metadata: dict[str, JsonValue] | None = None
