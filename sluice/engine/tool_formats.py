@@ -101,8 +101,10 @@ def _as_call(obj: Any, names: frozenset[str] | None, arguments_key: str) -> Tool
 
 
 def _decode(text: str) -> Any:
+    """JSON as models write it: a line break inside a string (a program written over several
+    lines, as small models do) is read as the "\\n" it means."""
     try:
-        return json.loads(text)
+        return json.loads(text, strict=False)
     except ValueError:
         return None
 

@@ -76,6 +76,12 @@ ENDED = [
     ('```json\n{"name": "weather", "arguments": {"city": "Oslo"}}\n```', "", (OSLO,)),
     ('{"name": "weather", "arguments": {"city": "Oslo"}}', "", (OSLO,)),
     ('[{"name": "weather", "arguments": {"city": "Oslo"}}]', "", (OSLO,)),
+    # a program written over several lines inside its JSON string, as small models do
+    (
+        '```json\n{"name": "python", "arguments": {"code": "x = 6\nprint(x * 7)"}}\n```',
+        "",
+        (ToolCall("python", '{"code": "x = 6\\nprint(x * 7)"}'),),
+    ),
     # ... but JSON that names no tool is an answer, and so is code in another language
     ('{"name": "Ada", "arguments": {}}', '{"name": "Ada", "arguments": {}}', ()),
     ("```python\nprint(1)\n```", "```python\nprint(1)\n```", ()),
