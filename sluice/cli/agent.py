@@ -167,9 +167,10 @@ async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int
 
 
 def _line(event: dict[str, Any]) -> str:
-    if event.get("type") == "harness_final":
+    if event.get("type") == "harness_final":  # (its answer is the last turn's text, shown)
+        failure = f" ({event['error']})" if event.get("error") else ""
         return (
-            f"{event['answer']}\n[{event['stop_reason']}: {event['steps']} turns, "
+            f"[{event['stop_reason']}{failure}: {event['steps']} turns, "
             f"{event['tool_calls']} tool calls, {event['completion_tokens']} tokens, "
             f"{event['seconds']:.1f} s]"
         )

@@ -197,5 +197,5 @@ def test_sluice_agent_run_prints_each_step_on_a_line():
         '[call run-1/0/0] add({"a": 2, "b": 3})',
         "[result run-1/0/0] ok: 5",
         "[turn 1] It is 5.",
-        "It is 5.\n[answer: 2 turns, 1 tool calls, 20 tokens, 3.0 s]",
+        "[answer: 2 turns, 1 tool calls, 20 tokens, 3.0 s]",
     ]
