@@ -336,6 +336,11 @@ class RunnerActor(Actor):
     def _failed(self, tracked: _Tracked, why: str) -> StepMessage:
         """A final with finish_reason "error" after what the request had published."""
         texts = tracked.texts
+        content, calls = None, None
+        if tracked.calls is not None:  # (what was sent, less its calls, as any final says)
+            view = tracked.calls.view(texts.get(0, ""), final=True)
+            content = view.content
+            calls = wire_calls(tracked.calls.request_id, 0, view) or None
         return StepMessage(
             seq=tracked.seq,
             finished=True,
@@ -354,6 +359,8 @@ class RunnerActor(Actor):
                 in_topic_s=in_topic(tracked.work),
             ),
             full_text=texts.get(0, ""),
+            content=content,
+            tool_calls=calls,
             seed=tracked.record.seed if tracked.record else None,
             request_id=tracked.work.request.request_id,
             request=tracked.handle,
@@ -594,7 +601,10 @@ class RunnerActor(Actor):
         content = calls = None
         if tracked.calls is not None:  # (its last output may release text held back, or a call)
             before = tracked.texts.get(out.index, "")
-            content, calls = tracked.calls.step(out.index, before, out.text, out.finished)
+            # A prefill runner's one token "finishes" only here: a decode runner goes on with it.
+            handed_on = tracked.passing_on and out.finish_reason == "length"
+            ended = out.finished and not handed_on
+            content, calls = tracked.calls.step(out.index, before, out.text, ended)
             if not (out.new_token_ids or content or calls):
                 return None
         elif not (out.new_token_ids or out.text):

@@ -47,7 +47,8 @@ def sampling_kwargs(request: GenerateRequest, tokenizer: Tokenizer | None) -> di
     (which the schema refuses beside a tool_choice that requires calls)."""
     kwargs = request.sampling_kwargs()
     tools = tools_of(request)
-    if tools is None or not tools.parsed or tokenizer is None or request.response_format:
+    shaped = request.response_format is not None and request.response_format.type != "text"
+    if tools is None or not tools.parsed or tokenizer is None or shaped:
         return kwargs
     grammar = tokenizer.tool_format.grammar(tools)
     if grammar is not None:
@@ -91,7 +92,10 @@ class CallReader:
         return CallReader(request, tokenizer)
 
     def view(self, text: str, final: bool) -> ToolView:
-        return self.format.view(text, self.tools, final)
+        view = self.format.view(text, self.tools, final)
+        if not self.tools.parallel and len(view.calls) > 1:  # (where no grammar held it to one)
+            return ToolView(view.content, view.calls[:1])
+        return view
 
     def step(self, index: int, before: str, added: str, final: bool) -> tuple[str, list[dict]]:
         """(the content delta, the calls completed) of `added` text after `before`."""

@@ -301,8 +301,7 @@ class Llama3JsonFormat(ToolFormat):
         if not head or head[0] == "{":
             if not final:
                 return ToolView("")
-            parts = [_decode(p) for p in head.split(";")] if head else []
-            found = [_as_call(o, tools.names, "parameters") for o in parts]
+            found = [_as_call(o, tools.names, "parameters") for o in _objects(head)]
             if found and all(c is not None for c in found):
                 return ToolView("", tuple(c for c in found if c is not None))
         return ToolView(text)
@@ -312,6 +311,23 @@ class Llama3JsonFormat(ToolFormat):
             return None  # (a call is an answer that is only JSON: no sign of it before it ends)
         schema = json.dumps(self._call_schema(tools, "parameters"), ensure_ascii=False)
         return "\n".join([f"start: {self._calls(tools, 'body', '; ')}", f"body: %json {schema}"])
+
+
+def _objects(text: str) -> list[Any]:
+    """The JSON values of a text that is only JSON values, separated by ';' and white space (a
+    ';' inside a string is the string's); [None] when it is anything else."""
+    decoder, pos = json.JSONDecoder(strict=False), 0
+    out: list[Any] = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        if pos == len(text):
+            return out
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return [None]
+        out.append(value)
 
 
 def _settled(content: str, calls: list[ToolCall], final: bool) -> ToolView:

@@ -64,7 +64,11 @@ class RunState(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     last_text: str = ""
+    turns: int = 0  # model turns taken (their final events read)
+    turn_cut: bool = False  # the turn under way was given less than max_tokens: what was left
     stop_reason: StopReason | None = None
+    error: str | None = None
+    ended_at: float = 0.0
     trace: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -102,6 +106,7 @@ class Run:
         if s.phase != "model" or event.request_id != s.waiting_model:
             return out  # (a copy of a turn already taken)
         s.waiting_model = None
+        s.turns += 1
         if isinstance(event, ErrorEvent):
             self._finish(out, "error", error=f"model turn {s.step}: {event.code}: {event.message}")
             return out
@@ -114,7 +119,8 @@ class Run:
             failure = event.error.message if event.error else "the model turn failed"
             self._finish(out, "error", error=failure)
         elif not calls:
-            self._finish(out, "answer")
+            cut_short = event.finish_reason == "length" and s.turn_cut
+            self._finish(out, "budget" if cut_short else "answer")
         elif s.tool_calls + len(calls) > s.request.max_tool_calls:
             self._finish(out, "max_tool_calls")
         else:
@@ -129,6 +135,13 @@ class Run:
         self._event(out, "tool_result", result=s.results[result.key])
         if len(s.results) == len(s.calls):
             self._next_turn(out, now)
+        return out
+
+    def fail(self, error: str, now: float) -> Outbox:
+        """End the run with an error (a fault while moving it on)."""
+        out, self.now = Outbox(), now
+        if not self.done:
+            self._finish(out, "error", error=error)
         return out
 
     def on_clock(self, now: float) -> Outbox:
@@ -146,6 +159,7 @@ class Run:
             self._finish(out, "budget")
             return
         request_id = f"{r.run_id}.m{s.step}"
+        s.turn_cut = room < r.max_tokens
         body: dict[str, Any] = {
             "request_id": request_id,
             "messages": s.messages,
@@ -175,19 +189,22 @@ class Run:
             s.calls[key] = call
             s.tool_calls += 1
             name = call["function"]["name"]
-            message = ToolCallMessage(
-                key=key,
-                request_id=r.run_id,
-                call_id=call["id"],
-                name=name,
-                arguments=call["function"]["arguments"],
-                reply_topic=self.topics.tool_results,
-                deadline=s.started_at + r.timeout_s,
-            )
-            self._event(out, "tool_call", call=message.model_dump())
+            sent = {
+                "key": key,
+                "request_id": r.run_id,
+                "call_id": call["id"],
+                "name": name,
+                "arguments": call["function"]["arguments"],
+            }
+            self._event(out, "tool_call", call=sent)
             if name in known:
+                message = ToolCallMessage(
+                    **sent,
+                    reply_topic=self.topics.tool_results,
+                    deadline=s.started_at + r.timeout_s,
+                )
                 out.add(f"{self.topics.tool_prefix}.{name}", key, message)
-            else:  # no worker serves it: the model hears so at once
+            else:  # no worker serves it (it may not even be a name): the model hears so at once
                 answer = ToolResultMessage(
                     key=key,
                     request_id=r.run_id,
@@ -228,28 +245,48 @@ class Run:
         s = self.state
         event = HarnessStep(run_id=self.run_id, seq=s.seq, step=s.step, kind=kind, **fields)
         s.seq += 1
-        s.trace.append(event.model_dump(exclude={"schema_version", "run_id", "seq", "type"}))
+        s.trace.append(_traced(event))
         out.add(self.topics.events, self.run_id, event)
 
     def _finish(self, out: Outbox, reason: StopReason, error: str | None = None) -> None:
         s = self.state
-        final = HarnessFinal(
+        s.phase, s.waiting_model, s.stop_reason, s.error = "done", None, reason, error
+        s.ended_at = self.now
+        s.seq += 1
+        out.add(self.topics.events, self.run_id, self.final_event())
+
+    def final_event(self) -> HarnessFinal:
+        """The run's final event (of a run that is done), the same each time it is made."""
+        s = self.state
+        assert s.stop_reason is not None
+        return HarnessFinal(
             run_id=self.run_id,
-            seq=s.seq,
+            seq=s.seq - 1,
             answer=s.last_text,
-            stop_reason=reason,
-            steps=s.step + (1 if s.phase == "model" else 0),
+            stop_reason=s.stop_reason,
+            steps=s.turns,
             tool_calls=s.tool_calls,
             completion_tokens=s.completion_tokens,
             prompt_tokens=s.prompt_tokens,
-            seconds=round(max(0.0, self.now - s.started_at), 3),
+            seconds=round(max(0.0, s.ended_at - s.started_at), 3),
             trace=s.trace,
-            error=error,
+            error=s.error,
             metadata=s.request.metadata,
         )
-        s.seq += 1
-        s.phase, s.waiting_model, s.stop_reason = "done", None, reason
-        out.add(self.topics.events, self.run_id, final)
+
+
+TRACED_CHARS = 2000  # of a step's text or result in the trace (the step events have them whole)
+
+
+def _traced(event: HarnessStep) -> dict[str, Any]:
+    """A step as the final's trace keeps it: long texts cut, so that the final stays small."""
+    entry = event.model_dump(exclude={"schema_version", "run_id", "seq", "type"})
+    if entry.get("text") and len(entry["text"]) > TRACED_CHARS:
+        entry["text"] = entry["text"][:TRACED_CHARS] + " [...]"
+    result = entry.get("result")
+    if result and len(result.get("content", "")) > TRACED_CHARS:
+        entry["result"] = {**result, "content": result["content"][:TRACED_CHARS] + " [...]"}
+    return entry
 
 
 def _choice(request: HarnessRequest) -> Any:

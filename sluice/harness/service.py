@@ -7,7 +7,8 @@ Crash-safe by order: for each input it publishes first (and waits until Kafka ha
 keeps the run's state in the compacted ``PREFIX.harness-state``, then commits the input. Stopped
 anywhere, it starts from the states it kept and reads the uncommitted inputs again; a transition
 made twice publishes the same names (`run.py`), which their readers take once, so every model turn
-is served once, every tool call is run once and every run ends with one final.
+is served once, every tool call is answered once (a tool that is not idempotent is never run
+twice) and every run ends with one final.
 
 One service serves every run (it reads all partitions); a second one would share no state with it.
 """
@@ -18,8 +19,10 @@ import asyncio
 import json
 import logging
 import time
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from pydantic import BaseModel, ValidationError
 
 from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
@@ -29,7 +32,7 @@ from sluice.connectors.topics import ensure_topics, partitions_of
 from sluice.harness.run import Outbox, Run, RunState, Topics
 from sluice.schemas import decode_event
 from sluice.schemas.events import ErrorEvent, FinalEvent
-from sluice.schemas.harness import HarnessRequest
+from sluice.schemas.harness import HarnessFinal, HarnessRequest
 from sluice.schemas.tool_messages import ToolResultMessage
 
 log = logging.getLogger(__name__)
@@ -119,7 +122,11 @@ class HarnessService:
             for tp, records in batch.items():
                 for record in records:
                     await self._handle(tp.topic, record.value)
-                    await self._consumer.commit({tp: record.offset + 1})
+                    try:
+                        await self._consumer.commit({tp: record.offset + 1})
+                    except (CommitFailedError, IllegalStateError) as e:
+                        # (read again later: each move is made once whatever it is read again)
+                        log.warning("could not commit %s at %d: %s", tp, record.offset + 1, e)
             await self._clock()
 
     async def _clock(self) -> None:
@@ -131,50 +138,106 @@ class HarnessService:
     async def _handle(self, topic: str, raw: bytes | None) -> None:
         now = time.time()
         if topic == self.names["requests"]:
-            try:
-                request = HarnessRequest.model_validate_json(raw or b"")
-            except ValidationError as e:
-                log.error("not a harness request, skipped: %s", e.errors()[:1])
-                return
-            if request.run_id in self.runs:
-                log.info("run %s asked for again: it is under way or done", request.run_id)
-                return
-            run, out = Run.start(request, self.topics, now)
-            self.runs[request.run_id] = run
-            log.info("run %s: started", request.run_id)
-            await self._apply(run, out)
-        elif topic == self.names["replies"]:
+            await self._requested(raw, now)
+            return
+        run, move = self._addressee(topic, raw)
+        if run is None or move is None:
+            return  # (not for a run of this service, or not a message at all)
+        try:
+            out = move(now)
+        except Exception as e:  # a fault moving one run on ends that run, not the service
+            log.exception("run %s: moving it on failed", run.run_id)
+            out = run.fail(f"the harness failed: {type(e).__name__}: {e}", now)
+        await self._apply(run, out)
+
+    async def _requested(self, raw: bytes | None, now: float) -> None:
+        try:
+            request = HarnessRequest.model_validate_json(raw or b"")
+        except ValidationError as e:
+            await self._refuse(raw, e, now)
+            return
+        known = self.runs.get(request.run_id)
+        if known is not None:
+            log.info("run %s asked for again: it is under way or done", request.run_id)
+            if known.done:  # its asker may have missed the answer: it is sent again, as it was
+                await self._publish([(self.topics.events, known.run_id, known.final_event())])
+            return
+        run, out = Run.start(request, self.topics, now)
+        self.runs[request.run_id] = run
+        log.info("run %s: started", request.run_id)
+        await self._apply(run, out)
+
+    async def _refuse(self, raw: bytes | None, error: ValidationError, now: float) -> None:
+        """A request that is not a valid run: its asker hears why, if it can be told apart."""
+        first = error.errors()[0] if error.errors() else {"loc": (), "msg": str(error)}
+        where = ".".join(str(p) for p in first["loc"])
+        why = f"invalid_request: {where + ': ' if where else ''}{first['msg']}"
+        try:
+            run_id = json.loads(raw or b"").get("run_id")
+        except (ValueError, AttributeError):
+            run_id = None
+        if not isinstance(run_id, str) or not run_id or run_id in self.runs:
+            log.error("not a harness request, skipped: %s", why)
+            return
+        final = HarnessFinal(
+            run_id=run_id,
+            seq=0,
+            answer="",
+            stop_reason="error",
+            steps=0,
+            tool_calls=0,
+            completion_tokens=0,
+            prompt_tokens=0,
+            seconds=0.0,
+            error=why,
+        )
+        await self._publish([(self.topics.events, run_id, final)])
+
+    def _addressee(self, topic: str, raw: bytes | None) -> tuple[Run | None, Any]:
+        """The run a message is for, and the move it makes."""
+        if topic == self.names["replies"]:
             try:
                 event = decode_event(raw or b"")
             except Exception:
-                return
+                return None, None
             if not isinstance(event, (FinalEvent, ErrorEvent)) or event.request_id is None:
-                return
-            run_id = event.request_id.rpartition(".m")[0]
-            if run_id in self.runs:
-                await self._apply(self.runs[run_id], self.runs[run_id].on_model_event(event, now))
-        else:
-            try:
-                result = ToolResultMessage.model_validate_json(raw or b"")
-            except ValidationError:
-                return
-            if result.request_id in self.runs:
-                run = self.runs[result.request_id]
-                await self._apply(run, run.on_tool_result(result, now))
+                return None, None
+            run = self.runs.get(event.request_id.rpartition(".m")[0])
+            if run is None:
+                return None, None
+            return run, lambda now: run.on_model_event(event, now)
+        try:
+            result = ToolResultMessage.model_validate_json(raw or b"")
+        except ValidationError:
+            return None, None
+        found = self.runs.get(result.request_id)
+        if found is None:
+            return None, None
+        return found, lambda now: found.on_tool_result(result, now)
 
     async def _apply(self, run: Run, out: Outbox) -> None:
         """Publish what a transition says, then keep the run's state."""
-        assert self._producer is not None and self._states is not None
+        assert self._states is not None
         if not out.records:
             return
-        delivered = []
-        for topic, key, message in out.records:
-            value = message.model_dump_json() if isinstance(message, BaseModel) else _dumps(message)
-            delivered.append(await self._producer.send(topic, key=key, value=value.encode()))
-        await asyncio.gather(*delivered)
+        try:
+            await self._publish(out.records)
+        except KafkaError as e:  # e.g. a message over the broker's size limit
+            log.error("run %s: could not publish its move (%s): it ends", run.run_id, e)
+            run.state.trace = []  # (the final, at least, is small)
+            await self._publish(run.fail(f"could not publish: {e}", time.time()).records)
         await self._states.put({run.run_id: run.state.model_dump_json().encode()})
         if run.done:
             log.info("run %s: ended (%s)", run.run_id, run.state.stop_reason)
+
+    async def _publish(self, records: list[tuple[str, str, BaseModel | dict[str, Any]]]) -> None:
+        """Send, and return once Kafka has every record."""
+        assert self._producer is not None
+        delivered = []
+        for topic, key, message in records:
+            value = message.model_dump_json() if isinstance(message, BaseModel) else _dumps(message)
+            delivered.append(await self._producer.send(topic, key=key, value=value.encode()))
+        await asyncio.gather(*delivered)
 
 
 def _dumps(message: dict) -> str:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from .request import MAX_ID_LENGTH, Message
-from .tools import MAX_TOOLS, Tool, ToolChoice
+from .request import MAX_ID_LENGTH, Message, _request_id
+from .tools import MAX_TOOLS, Tool, ToolChoice, check_tools
 from .version import SCHEMA_VERSION
 
 StopReason = Literal[
@@ -28,7 +28,9 @@ class HarnessRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     schema_version: int = SCHEMA_VERSION
-    run_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH - 16)] = Field(
+    run_id: Annotated[
+        str, Field(min_length=1, max_length=MAX_ID_LENGTH - 16), AfterValidator(_request_id)
+    ] = Field(
         default_factory=lambda: uuid.uuid4().hex,
         description="Echoed on every event; its model turns are requests RUN_ID.m0, .m1, ...",
     )
@@ -50,6 +52,11 @@ class HarnessRequest(BaseModel):
         3, ge=1, description="Tool calls failing in a row (each shown to the model) that end it."
     )
     metadata: dict[str, JsonValue] | None = None
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> HarnessRequest:
+        check_tools(self.tools, self.tool_choice, prompt_is_chat=True)
+        return self
 
 
 class _Event(BaseModel):

@@ -367,9 +367,7 @@ class GenerateRequest(BaseModel):
         "required: one call or more and nothing else; {type: function, function: {name}}: "
         "one call of that function. required and named calls follow the tools' schemas.",
     )
-    parallel_tool_calls: bool = Field(
-        True, description="false: at most one call per answer (with required)."
-    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer.")
 
     metadata: dict[str, JsonValue] | None = Field(
         None,

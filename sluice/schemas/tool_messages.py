@@ -14,10 +14,11 @@ the first result of each key and drops the rest.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from .request import _topic
 from .tools import FUNCTION_NAME
 from .version import SCHEMA_VERSION
 
@@ -37,7 +38,9 @@ class ToolCallMessage(BaseModel):
     call_id: str = Field(min_length=1, max_length=128, description="The model's id of the call.")
     name: str = Field(pattern=FUNCTION_NAME)
     arguments: str = Field(description="A JSON object, as text (as the model wrote it).")
-    reply_topic: str | None = Field(None, description="Where the result goes; null: the default.")
+    reply_topic: Annotated[str, AfterValidator(_topic)] | None = Field(
+        None, description="Where the result goes (a topic name); null: the default."
+    )
     deadline: float | None = Field(
         None, ge=0, description="Unix seconds: a call read after it is answered with an error."
     )

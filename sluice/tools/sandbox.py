@@ -1,8 +1,8 @@
 """A sandbox for code a model wrote: each program runs in a bubblewrap container with no network, a
-file system of the Python runtime (read-only) and a scratch directory of its own (the only place
-it may write, emptied after it), and limits on CPU time, memory, processes, file size and wall
-time. A program that breaks a limit ends with an `Outcome` that says which; nothing it does
-reaches the process that runs it.
+file system of the Python runtime (read-only) and an empty scratch directory of its own (a sized
+tmpfs: the only place it may write, gone after it), and limits on CPU time, memory, processes,
+file size and wall time. A program that breaks a limit ends with an `Outcome` that says which;
+nothing it does reaches the process that runs it.
 
 Why bubblewrap: it installs from the OS packages (``apt install bubblewrap``), it is what Flatpak
 runs every application in (so its namespaces and mounts are well trodden), and it needs no daemon
@@ -13,7 +13,9 @@ several times the start-up cost.
 How the limits hold: the program runs as ``nobody`` outside its user namespace when sluice runs as
 root (``RLIMIT_NPROC`` does not bind root), so a fork bomb stops at `Limits.processes`; its PID
 namespace ends with it, so nothing it started outlives it; ``RLIMIT_AS`` turns a memory hog into a
-``MemoryError``, ``RLIMIT_CPU`` stops a busy loop, and the wall clock stops a sleeping one.
+``MemoryError``, ``RLIMIT_CPU`` stops a busy loop, and the wall clock stops a sleeping one. Run
+by a user other than root, the process limit counts that user's every process and thread: give
+the worker a user of its own.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from pathlib import Path
 NOBODY = 65534
 INSIDE_UID = 1000  # the program's uid inside its namespace
 SCRATCH = "/scratch"
+PROGRAM = "/program/main.py"  # (read-only, beside the scratch directory, not in it)
+STALE_S = 600  # a run's files left this long were a worker's killed mid-run: swept at start
 
 
 class SandboxUnavailable(RuntimeError):
@@ -44,6 +48,7 @@ class Limits:
     memory_bytes: int = 512 << 20  # address space, so somewhat above what the program touches
     processes: int = 64  # of the sandbox's user, over every program running at once
     file_bytes: int = 16 << 20  # the largest file it may write, its output included
+    scratch_bytes: int = 64 << 20  # all it may write: its scratch directory is a tmpfs this big
     output_chars: int = 16_000  # of stdout and of stderr, kept from the end
 
 
@@ -82,11 +87,12 @@ class Sandbox:
         self.bwrap = bwrap
         self.python = python or _interpreter()
         self.as_nobody = os.geteuid() == 0
+        _sweep_stale()
         probe = self.run_python("print('ok')")
         if not probe.ok or probe.stdout.strip() != "ok":
             raise SandboxUnavailable(f"bubblewrap does not start a program here: {probe.summary()}")
 
-    def _command(self, scratch: str, program: str) -> list[str]:
+    def _command(self, program: str) -> list[str]:
         mounts = ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             target = Path("/") / link
@@ -110,9 +116,13 @@ class Sandbox:
             "/proc",
             "--dev",
             "/dev",
-            "--bind",
-            scratch,
+            "--size",
+            str(self.limits.scratch_bytes),
+            "--tmpfs",
             SCRATCH,
+            "--ro-bind",
+            program,
+            PROGRAM,
             "--chdir",
             SCRATCH,
             "--clearenv",
@@ -127,7 +137,7 @@ class Sandbox:
             "/usr/local/bin:/usr/bin:/bin",
             self.python,
             "-I",  # isolated: no user site, no PYTHON* variables
-            f"{SCRATCH}/{program}",
+            PROGRAM,
         ]
 
     def _limit(self) -> None:
@@ -146,23 +156,20 @@ class Sandbox:
     def run_python(self, code: str) -> Outcome:
         """Run `code` as a Python program in a fresh scratch directory."""
         lim = self.limits
-        with tempfile.TemporaryDirectory(prefix="sluice-sandbox-") as home:
-            scratch = Path(home) / "scratch"
-            scratch.mkdir()
-            (scratch / "main.py").write_text(code, encoding="utf-8")
-            if self.as_nobody:  # (its output files stay the runner's: it only holds them open)
-                os.chmod(home, 0o711)
-                os.chown(scratch, NOBODY, NOBODY)
-                os.chown(scratch / "main.py", NOBODY, NOBODY)
+        with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as home:
+            program = Path(home) / "main.py"
+            program.write_text(code, encoding="utf-8")
+            os.chmod(program, 0o644)  # (its output files stay the runner's: it only holds them)
+            os.chmod(home, 0o711)
             started = time.monotonic()
             out_path, err_path = Path(home) / "out", Path(home) / "err"
             with open(out_path, "wb") as out, open(err_path, "wb") as err:
                 proc = subprocess.Popen(
-                    self._command(str(scratch), "main.py"),
+                    self._command(str(program)),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
-                    preexec_fn=self._limit,  # noqa: PLW1509 (no threads start it)
+                    preexec_fn=self._limit,  # (only setuid and setrlimit: safe beside threads)
                     start_new_session=True,
                 )
                 try:
@@ -176,6 +183,20 @@ class Sandbox:
             stderr = _tail(err_path, lim.output_chars)
         why = _why(code_, stderr, lim)
         return Outcome(code_ == 0, stdout, stderr, code_, why, round(seconds, 3))
+
+
+TEMP_PREFIX = "sluice-sandbox-"
+
+
+def _sweep_stale() -> None:
+    """Remove the files of runs whose worker was killed mid-run (a run's take seconds)."""
+    now = time.time()
+    for old in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*"):
+        try:
+            if now - old.stat().st_mtime > STALE_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _tail(path: Path, chars: int) -> str:

@@ -20,6 +20,7 @@ import socket
 import time
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from pydantic import ValidationError
 
 from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
@@ -32,6 +33,7 @@ from sluice.tools.registry import InvalidArguments, Toolbox, ToolError
 log = logging.getLogger(__name__)
 
 PARTITIONS = 4
+MAX_RESULT_CHARS = 16_000  # of an answer: what a model can read, and a record stays small
 
 
 def tool_topic(prefix: str, name: str) -> str:
@@ -120,7 +122,12 @@ class ToolWorker:
             for tp, records in batch.items():
                 for record in records:
                     await self._serve(record.value)
-                    await self._consumer.commit({tp: record.offset + 1})
+                    try:
+                        await self._consumer.commit({tp: record.offset + 1})
+                    except (CommitFailedError, IllegalStateError) as e:
+                        # A rebalance took the partition: its new owner answers the call again
+                        # from the answers topic, without running it.
+                        log.warning("could not commit %s at %d: %s", tp, record.offset + 1, e)
 
     async def _serve(self, raw: bytes | None) -> None:
         assert self._answers is not None and self._producer is not None
@@ -141,10 +148,14 @@ class ToolWorker:
             answer = json.dumps({"answer": result.model_dump()}).encode()
             await self._answers.put({call.key: answer})
         topic = call.reply_topic or results_topic(self.prefix)
-        delivered = await self._producer.send(
-            topic, key=call.request_id, value=result.model_dump_json().encode()
-        )
-        await delivered
+        try:
+            delivered = await self._producer.send(
+                topic, key=call.request_id, value=result.model_dump_json().encode()
+            )
+            await delivered
+        except KafkaError as e:  # (a reply topic that cannot take it: the call is lost to it)
+            log.error("call %s: its answer could not be sent to %s: %s", call.key, topic, e)
+            return
         self.served += 1
 
     async def _answer(self, call: ToolCallMessage, started_before: bool) -> ToolResultMessage:
@@ -191,6 +202,9 @@ class ToolWorker:
         except Exception as e:  # a bug in the tool: the model hears of it, the worker goes on
             log.exception("tool %s failed on call %s", call.name, call.key)
             return result(False, f"{type(e).__name__}: {e}", "failed", time.monotonic() - started)
+        if len(content) > MAX_RESULT_CHARS:
+            cut = len(content) - MAX_RESULT_CHARS
+            content = content[:MAX_RESULT_CHARS] + f"\n[... {cut} more characters cut]"
         return result(True, content, None, time.monotonic() - started)
 
 

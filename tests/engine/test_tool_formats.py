@@ -126,6 +126,11 @@ def test_llama3_json_reads_calls_separated_by_semicolons():
     assert view == ToolView("", (OSLO, ToolCall("python", '{"code": "1"}')))
     assert Llama3JsonFormat().view(text, TOOLS, final=False) == ToolView("")
     assert Llama3JsonFormat().view("Sunny.", TOOLS, final=True) == ToolView("Sunny.")
+    # the separator its grammar allows after the last call, and a ';' inside an argument
+    code = '{"name": "python", "parameters": {"code": "a = 1; print(a)"}}; '
+    assert Llama3JsonFormat().view(code, TOOLS, final=True) == ToolView(
+        "", (ToolCall("python", '{"code": "a = 1; print(a)"}'),)
+    )
 
 
 def test_formats_are_detected_from_the_chat_template():

@@ -199,3 +199,31 @@ def test_sluice_agent_run_prints_each_step_on_a_line():
         "[turn 1] It is 5.",
         "[answer: 2 turns, 1 tool calls, 20 tokens, 3.0 s]",
     ]
+
+
+def test_a_call_whose_name_is_no_tool_or_no_name_at_all_is_answered_not_raised():
+    run, _ = Run.start(harness_request(), TOPICS, now=0.0)
+    out = run.on_model_event(turn("run-1.m0", calls=[("python.run", "{}")]), now=1.0)
+    assert not [t for t, _, _ in out.records if t.startswith("p.tools.")]
+    (next_turn,) = [m for t, _, m in out.records if t == "p.requests"]
+    assert "no tool named 'python.run'" in next_turn["messages"][-1]["content"]
+
+
+def test_a_turn_cut_to_the_tokens_left_ends_the_run_on_its_budget():
+    run, _ = Run.start(harness_request(max_total_tokens=100, max_tokens=80), TOPICS, now=0.0)
+    out = run.on_model_event(turn("run-1.m0", calls=[("add", "{}")], tokens=60), now=1.0)
+    out = run.on_tool_result(answer(sent(out, ToolCallMessage)[0], "0"), now=1.0)
+    (next_turn,) = [m for t, _, m in out.records if t == "p.requests"]
+    assert next_turn["max_tokens"] == 40  # what is left
+    cut = turn("run-1.m1", text='<tool_call>\n{"name": "add", "argu', tokens=40)
+    cut = cut.model_copy(update={"finish_reason": "length"})
+    (final,) = sent(run.on_model_event(cut, now=2.0), HarnessFinal)
+    assert final.stop_reason == "budget" and final.steps == 2
+    assert run.final_event() == final  # (made again, e.g. for an asker who missed it)
+
+
+def test_a_fault_while_moving_a_run_ends_it_with_an_error():
+    run, _ = Run.start(harness_request(), TOPICS, now=0.0)
+    (final,) = sent(run.fail("the harness failed: boom", now=5.0), HarnessFinal)
+    assert final.stop_reason == "error" and final.error == "the harness failed: boom"
+    assert run.done and run.fail("again", now=6.0).records == []

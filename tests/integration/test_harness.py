@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from sluice.testing.pipeline_harness import PipelineProcess, new_prefix, sigkill
+from sluice.testing.pipeline_harness import PipelineProcess, new_prefix, publish, sigkill
 
 pytestmark = pytest.mark.integration
 
@@ -142,6 +142,21 @@ async def test_a_run_calls_its_tool_and_answers_through_a_sigkill(bootstrap_serv
             run_id,
             lambda es: any(e["type"] == "harness_final" for e in es),
         )
+        # the same run asked for again: its final is sent again, as it was, and nothing is run;
+        # a request that is not a valid run: its asker is told why
+        again = {"run_id": run_id, "messages": [{"role": "user", "content": "x"}], "tools": [VISIT]}
+        bad = {"run_id": f"{run_id}-bad", "messages": [], "tools": [VISIT]}
+        await publish(
+            bootstrap_servers,
+            f"{prefix}.harness",
+            [(run_id.encode(), json.dumps(again).encode()), (b"bad", json.dumps(bad).encode())],
+        )
+
+        def finals(es: list[dict]) -> int:
+            return sum(e["type"] == "harness_final" for e in es)
+
+        repeated = await events_of(bootstrap_servers, prefix, run_id, lambda es: finals(es) == 2)
+        refused = await events_of(bootstrap_servers, prefix, f"{run_id}-bad", finals)
     finally:
         pipeline.stop()
         for service in services:
@@ -163,3 +178,8 @@ async def test_a_run_calls_its_tool_and_answers_through_a_sigkill(bootstrap_serv
     # the client printed the same run: its events as JSON lines, ending with the final
     printed = [json.loads(line) for line in out.splitlines()]
     assert printed[-1] == final and [e["seq"] for e in printed] == sorted(by_seq)
+    first, second = [e for e in repeated if e["type"] == "harness_final"]
+    assert first == second == final
+    assert len(counted.read_text().split()) == len(calls)  # (nothing run for the repeat)
+    (why,) = refused
+    assert why["stop_reason"] == "error" and "messages" in why["error"]

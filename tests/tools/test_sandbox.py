@@ -15,7 +15,14 @@ from sluice.tools.python_tool import DEFINITION, python_tool
 from sluice.tools.registry import ToolError
 from sluice.tools.sandbox import Limits, Sandbox, SandboxUnavailable
 
-LIMITS = Limits(wall_s=4.0, cpu_s=2, memory_bytes=256 << 20, processes=32, file_bytes=4 << 20)
+LIMITS = Limits(
+    wall_s=4.0,
+    cpu_s=2,
+    memory_bytes=256 << 20,
+    processes=32,
+    file_bytes=4 << 20,
+    scratch_bytes=16 << 20,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +64,12 @@ def test_outside_its_scratch_directory_a_program_reads_and_writes_nothing(sandbo
     assert not written.ok and "Read-only file system" in written.stderr
     # its scratch directory is its own, and empty at each run
     assert sandbox.run_python("open('notes.txt', 'w').write('x')").ok
-    assert sandbox.run_python("import os\nprint(os.listdir('.'))").stdout == "['main.py']\n"
+    assert sandbox.run_python("import os\nprint(os.listdir('.'))").stdout == "[]\n"
+    # and it holds no more than its size, however the program writes
+    filled = sandbox.run_python(
+        "for i in range(20):\n    open(f'part{i}', 'wb').write(b'x' * (3 << 20))"
+    )
+    assert not filled.ok and "No space left on device" in filled.stderr
 
 
 def test_a_program_opens_no_connection(sandbox, bootstrap_servers):
