@@ -35,7 +35,7 @@ from sluice.actors.metrics import Metrics
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
 from sluice.actors.scheduler_actor import routing_key
-from sluice.actors.tool_calls import CallReader, wire_calls
+from sluice.actors.tool_calls import CallReader
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
@@ -338,9 +338,7 @@ class RunnerActor(Actor):
         texts = tracked.texts
         content, calls = None, None
         if tracked.calls is not None:  # (what was sent, less its calls, as any final says)
-            view = tracked.calls.view(texts.get(0, ""), final=True)
-            content = view.content
-            calls = wire_calls(tracked.calls.request_id, 0, view) or None
+            content, calls = tracked.calls.ended(0, texts.get(0, ""))
         return StepMessage(
             seq=tracked.seq,
             finished=True,
@@ -669,7 +667,7 @@ class RunnerActor(Actor):
             choices = [
                 dict(
                     index=i,
-                    text=endings[i][0] if tracked.calls else tracked.texts.get(i, ""),
+                    text=endings[i][0],
                     finish_reason=endings[i][2],
                     stop_reason=o.stop_reason,
                     completion_tokens=len(tracked.token_ids.get(i, [])),
@@ -712,11 +710,10 @@ class RunnerActor(Actor):
     def _ending(
         tracked: _Tracked, index: int, out: StepOutput
     ) -> tuple[str, list[dict] | None, str]:
-        """(content, calls, finish reason) of a finished completion: one that stopped having made
-        calls finished with "tool_calls", as OpenAI's do."""
-        reason = out.finish_reason
+        """(text, calls, finish reason) of a finished completion: its text less its calls, with
+        tools; one that stopped having made calls finished with "tool_calls", as OpenAI's do."""
+        text, reason = tracked.texts.get(index, ""), out.finish_reason
         if tracked.calls is None:
-            return "", None, reason
-        view = tracked.calls.view(tracked.texts.get(index, ""), final=True)
-        calls = wire_calls(tracked.calls.request_id, index, view) or None
-        return view.content, calls, "tool_calls" if calls and reason == "stop" else reason
+            return text, None, reason
+        content, calls = tracked.calls.ended(index, text)
+        return content, calls, "tool_calls" if calls and reason == "stop" else reason

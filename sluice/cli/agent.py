@@ -105,14 +105,18 @@ async def ask(args: argparse.Namespace) -> int:
     from sluice.connectors.topics import ensure_topics
     from sluice.harness.service import PARTITIONS, harness_topics
     from sluice.schemas.harness import HarnessRequest
+    from sluice.schemas.parse import error_from_validation
 
     try:
         request = HarnessRequest.model_validate(request_body(args))
     except ValidationError as e:
-        raise ClientError(f"not a valid run: {e.errors()[0]['msg']}") from None
+        refused = error_from_validation(e, None, HarnessRequest)
+        raise ClientError(f"not a valid run: {refused.message}") from None
     bootstrap = bootstrap_from_args(args)
     topics = harness_topics(args.topic_prefix)
-    await ensure_topics(bootstrap, {topics["requests"]: PARTITIONS, topics["events"]: PARTITIONS})
+    counts = await ensure_topics(
+        bootstrap, {topics["requests"]: PARTITIONS, topics["events"]: PARTITIONS}
+    )
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, enable_auto_commit=False, **kafka_client_options()
     )
@@ -122,11 +126,7 @@ async def ask(args: argparse.Namespace) -> int:
     )
     await producer.start()
     try:
-        partitions = [
-            TopicPartition(topics["events"], p)
-            for p in consumer.partitions_for_topic(topics["events"])
-            or await _partitions(bootstrap, topics["events"])
-        ]
+        partitions = [TopicPartition(topics["events"], p) for p in range(counts[topics["events"]])]
         consumer.assign(partitions)
         await consumer.seek_to_end(*partitions)
         for tp in partitions:
@@ -138,12 +138,6 @@ async def ask(args: argparse.Namespace) -> int:
     finally:
         await producer.stop()
         await consumer.stop()
-
-
-async def _partitions(bootstrap: str, topic: str) -> list[int]:
-    from sluice.connectors.topics import partitions_of
-
-    return await partitions_of(bootstrap, topic)
 
 
 async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int:

@@ -614,5 +614,16 @@ class RequestConsumer:
         return set(self._consumer.assignment()) if self._consumer is not None else set()
 
 
+async def commit_or_skip(consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> bool:
+    """Commit `offsets`, for a plain consumer's loop; when a rebalance took the partitions away
+    meanwhile, log and skip: their next owner reads those records again."""
+    try:
+        await consumer.commit(offsets)
+    except (CommitFailedError, IllegalStateError) as exc:
+        log.warning("commit of %s skipped: %s", _fmt(offsets), exc)
+        return False
+    return True
+
+
 def _fmt(offsets: dict[TopicPartition, int]) -> str:
     return ", ".join(f"{tp.topic}:{tp.partition}@{o}" for tp, o in sorted(offsets.items()))

@@ -22,10 +22,11 @@ import time
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
 from pydantic import BaseModel, ValidationError
 
 from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
+from sluice.connectors.kafka_consumer import commit_or_skip
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.topics import ensure_topics, partitions_of
@@ -33,6 +34,7 @@ from sluice.harness.run import Outbox, Run, RunState, Topics
 from sluice.schemas import decode_event
 from sluice.schemas.events import ErrorEvent, FinalEvent
 from sluice.schemas.harness import HarnessFinal, HarnessRequest
+from sluice.schemas.parse import error_from_validation
 from sluice.schemas.tool_messages import ToolResultMessage
 
 log = logging.getLogger(__name__)
@@ -122,11 +124,8 @@ class HarnessService:
             for tp, records in batch.items():
                 for record in records:
                     await self._handle(tp.topic, record.value)
-                    try:
-                        await self._consumer.commit({tp: record.offset + 1})
-                    except (CommitFailedError, IllegalStateError) as e:
-                        # (read again later: each move is made once whatever it is read again)
-                        log.warning("could not commit %s at %d: %s", tp, record.offset + 1, e)
+                    # (skipped, it is read again later: a move made again is taken once)
+                    await commit_or_skip(self._consumer, {tp: record.offset + 1})
             await self._clock()
 
     async def _clock(self) -> None:
@@ -169,9 +168,8 @@ class HarnessService:
 
     async def _refuse(self, raw: bytes | None, error: ValidationError, now: float) -> None:
         """A request that is not a valid run: its asker hears why, if it can be told apart."""
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": str(error)}
-        where = ".".join(str(p) for p in first["loc"])
-        why = f"invalid_request: {where + ': ' if where else ''}{first['msg']}"
+        refused = error_from_validation(error, None, HarnessRequest)
+        why = f"{refused.code}: {refused.message}"
         try:
             run_id = json.loads(raw or b"").get("run_id")
         except (ValueError, AttributeError):

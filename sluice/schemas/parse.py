@@ -32,7 +32,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import ErrorDetails
 
 from .events import EVENT_TYPES, ErrorCode, ErrorEvent, OutputEvent
-from .openai_request import ChatMessage, openai_shape
+from .openai_request import ChatCompletionRequest, ChatMessage, CompletionRequest, openai_shape
 from .request import (
     RESPONSE_FORMAT_TYPES,
     GenerateRequest,
@@ -184,7 +184,7 @@ def _reason(err: ErrorDetails, shape: type[BaseModel]) -> str:
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         where = f"schema version {SCHEMA_VERSION}"
-        if shape is not GenerateRequest:
+        if shape in (ChatCompletionRequest, CompletionRequest):
             where = "the OpenAI request fields sluice reads"
         return f"unknown field (not in {where}){hint}"
     if kind == "greater_than_equal":
@@ -221,11 +221,8 @@ def _known_fields(parent: tuple[Any, ...], shape: type[BaseModel]) -> list[str]:
     if not parent:
         return list(shape.model_fields)
     if parent[0] == "messages":
-        return (
-            list(ChatMessage.model_fields)
-            if shape is not GenerateRequest
-            else list(Message.model_fields)
-        )
+        openai = shape in (ChatCompletionRequest, CompletionRequest)
+        return list(ChatMessage.model_fields if openai else Message.model_fields)
     return []
 
 
@@ -241,9 +238,11 @@ def _field_of(err: ErrorDetails) -> str | None:
     return _utf8_safe(path) if path else None
 
 
-def _error_from_validation(
+def error_from_validation(
     exc: ValidationError, request_id: str | None, shape: type[BaseModel]
 ) -> ErrorEvent:
+    """The error event of a message that `shape` refused: its first fields and reasons, in the
+    words of the wire format (used for sluice's own requests, OpenAI's, and harness runs)."""
     errors = exc.errors(include_url=False)
     code = ErrorCode.INVALID_REQUEST
     parts = []
@@ -329,7 +328,7 @@ def decode_request(raw: bytes | bytearray | memoryview | str) -> GenerateRequest
         return GenerateRequest.model_validate(obj)
     except ValidationError as exc:
         rejected = _reject(data, ErrorCode.INVALID_REQUEST, "", obj=obj)
-        detail = _error_from_validation(exc, rejected.event.request_id, shape or GenerateRequest)
+        detail = error_from_validation(exc, rejected.event.request_id, shape or GenerateRequest)
         event = rejected.event.model_copy(
             update={"code": detail.code, "message": detail.message, "field": detail.field}
         )

@@ -20,10 +20,11 @@ import socket
 import time
 
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
 from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
+from sluice.connectors.kafka_consumer import commit_or_skip
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.topics import ensure_topics
@@ -122,12 +123,9 @@ class ToolWorker:
             for tp, records in batch.items():
                 for record in records:
                     await self._serve(record.value)
-                    try:
-                        await self._consumer.commit({tp: record.offset + 1})
-                    except (CommitFailedError, IllegalStateError) as e:
-                        # A rebalance took the partition: its new owner answers the call again
-                        # from the answers topic, without running it.
-                        log.warning("could not commit %s at %d: %s", tp, record.offset + 1, e)
+                    # (skipped after a rebalance: the call's new owner answers it again from the
+                    # answers topic, without running it)
+                    await commit_or_skip(self._consumer, {tp: record.offset + 1})
 
     async def _serve(self, raw: bytes | None) -> None:
         assert self._answers is not None and self._producer is not None
