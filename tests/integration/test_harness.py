@@ -1,7 +1,10 @@
 """The harness over the real broker, with the real pipeline and model and a real tool worker: a run
-asked for with `sluice agent run` calls its tool, reads the result and answers; the harness
-service SIGKILLed while the tool runs picks the run up where it was, and the tool is run once for
-each call, the run ends with one final, and every event has one content."""
+asked for with `sluice agent run` calls its tool, reads the result and answers. In deterministic
+mode, a run through SIGKILLs of every process it uses (the pipeline three times, the tool worker
+and the harness once each) ends as the same run uninterrupted does: the same turns, calls, results
+and answer, one final, every event with one content, and every tool call run once (a worker
+stopped while running a tool that is not idempotent answers `interrupted` instead:
+tests/integration/test_tool_worker.py)."""
 
 from __future__ import annotations
 
@@ -25,13 +28,16 @@ TOOLS_MODULE = '''
 import os, time
 from sluice.tools import tool
 
-@tool(idempotent=False)
+@tool
 def visit(place: str) -> str:
     """Visit a place and say what is there."""
+    with open(os.environ["STARTED_FILE"], "a") as f:
+        f.write(place + "\\n")
+    time.sleep(4)
+    # counted once it has run whole: a run cut by a SIGKILL did nothing, and is run again
     with open(os.environ["COUNT_FILE"], "a") as f:
         f.write(place + "\\n")
-    time.sleep(3)
-    return "a quiet harbour with three boats"
+    return f"a quiet harbour with {len(place) % 5 + 2} boats"
 '''
 VISIT = {
     "type": "function",
@@ -46,6 +52,9 @@ VISIT = {
         },
     },
 }
+# sampled and seeded, so that "the same run" means the same draws, not only the same argmax
+ASK = ["What is at the harbour?", "--tool-choice", "visit", "--temperature", "0.8"]
+ASK += ["--seed", "11", "--max-steps", "3", "--max-tokens", "40"]
 
 
 class Service:
@@ -61,6 +70,10 @@ class Service:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
 
     def wait_for(self, text: str, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
@@ -99,87 +112,145 @@ async def events_of(bootstrap: str, prefix: str, run_id: str, until, timeout: fl
     return events
 
 
-async def test_a_run_calls_its_tool_and_answers_through_a_sigkill(bootstrap_servers, tmp_path):
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+def what_happened(events: list[dict]) -> list[object]:
+    """A run's events less what names the run (its id, its calls' ids and keys) and what the
+    clock and the processes give (times, the worker): what two runs of one request share."""
+    by_seq: dict[int, dict] = {}
+    for event in events:
+        assert by_seq.setdefault(event["seq"], event) == event, "a seq with two contents"
+    assert sorted(by_seq) == list(range(len(by_seq))), "a seq missing"
+    happened: list[object] = []
+    for event in by_seq.values():
+        if event["type"] == "harness_final":
+            happened.append([event[k] for k in ("answer", "stop_reason", "steps", "tool_calls")])
+            happened.append([event[k] for k in ("completion_tokens", "prompt_tokens")])
+        elif event["kind"] == "model":
+            made = event["tool_calls"] or []
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in made]
+            happened.append((event["step"], "turn", event["text"], calls))
+        elif event["kind"] == "tool_call":
+            call = event["call"]
+            happened.append((event["step"], "call", call["name"], call["arguments"]))
+        else:
+            result = event["result"]
+            happened.append((event["step"], "result", result["ok"], result["content"]))
+    return happened
+
+
+async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_one(
+    bootstrap_servers, tmp_path
+):
     prefix = new_prefix()
     (tmp_path / "toolmod.py").write_text(TOOLS_MODULE)
     (tmp_path / "tools.json").write_text(json.dumps([VISIT]))
-    counted = tmp_path / "count.txt"
+    started, counted = tmp_path / "started.txt", tmp_path / "count.txt"
+    started.touch()
     counted.touch()
     kafka = ["--bootstrap-servers", bootstrap_servers, "--topic-prefix", prefix]
-    pipeline = PipelineProcess(bootstrap_servers, None, prefix, tmp_path)
-    worker = Service(
-        tmp_path, "tools", "serve", "toolmod:visit", *kafka, env={"COUNT_FILE": str(counted)}
-    )
-    harness = Service(tmp_path, "agent", "serve", *kafka)
-    services = [worker, harness]
-    run_id = f"run-{uuid.uuid4().hex[:8]}"
-    try:
-        pipeline.wait_ready()
-        worker.wait_for("serving ")
-        harness.wait_for("harness serving")
-        asking = subprocess.Popen(
-            [sys.executable, "-m", "sluice", "agent", "run", "What is at the harbour?"]
-            + ["--tools", f"@{tmp_path / 'tools.json'}", "--tool-choice", "visit"]
-            + ["--max-steps", "3", "--max-tokens", "40", "--run-id", run_id, "--json", *kafka],
+    tool_env = {"STARTED_FILE": str(started), "COUNT_FILE": str(counted)}
+
+    def new_pipeline() -> PipelineProcess:
+        return PipelineProcess(bootstrap_servers, None, prefix, tmp_path, "--deterministic")
+
+    def new_worker() -> Service:
+        return Service(tmp_path, "tools", "serve", "toolmod:visit", *kafka, env=tool_env)
+
+    def new_harness() -> Service:
+        return Service(tmp_path, "agent", "serve", *kafka)
+
+    def ask(run_id: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sluice", "agent", "run", *ASK]
+            + ["--tools", f"@{tmp_path / 'tools.json'}", "--run-id", run_id, "--json", *kafka],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
 
-        def calling(events: list[dict]) -> bool:
-            return any(e.get("kind") == "tool_call" for e in events)
+    async def printed(asking: subprocess.Popen) -> list[dict]:
+        out, err = await asyncio.to_thread(asking.communicate, timeout=400)
+        assert asking.returncode in (0, 1), (out, err)  # (1: a run that ended otherwise)
+        return [json.loads(line) for line in out.splitlines()]
 
-        await events_of(bootstrap_servers, prefix, run_id, calling)
-        await sigkill(harness.proc.pid)  # while the tool runs
-        harness.stop()
-        harness = Service(tmp_path, "agent", "serve", *kafka)
-        services.append(harness)
-        out, err = await asyncio.to_thread(asking.communicate, timeout=300)
-        assert asking.returncode == 0, (out, err, harness.log_path.read_text())
-        events = await events_of(
-            bootstrap_servers,
-            prefix,
-            run_id,
-            lambda es: any(e["type"] == "harness_final" for e in es),
-        )
+    async def until(run_id: str, holds) -> list[dict]:
+        return await events_of(bootstrap_servers, prefix, run_id, holds)
+
+    def has(kind: str):
+        return lambda events: any(e.get("kind") == kind for e in events)
+
+    def finals(events: list[dict]) -> int:
+        return sum(e["type"] == "harness_final" for e in events)
+
+    async def runs_started(n: int) -> None:
+        while len(lines(started)) < n:
+            await asyncio.sleep(0.05)
+
+    pipeline, worker, harness = new_pipeline(), new_worker(), new_harness()
+    killed: list[PipelineProcess | Service] = []
+    calm, crashed = f"run-{uuid.uuid4().hex[:8]}", f"run-{uuid.uuid4().hex[:8]}"
+    try:
+        pipeline.wait_ready()
+        worker.wait_for("serving ")
+        harness.wait_for("harness serving")
+        printed_calm = await printed(ask(calm))
+        before = len(lines(counted))
+        assert before >= 1 and lines(started) == lines(counted)
+
+        asking = ask(crashed)
+        harness.wait_for(f"run {crashed}: started")
+        await sigkill(pipeline.pid)  # pipeline 1: the first turn just asked for
+        killed.append(pipeline)
+        pipeline = new_pipeline()
+        await until(crashed, has("tool_call"))
+        await runs_started(before + 1)
+        await sigkill(worker.pid)  # the call running: this run of it never ends
+        killed.append(worker)
+        worker = new_worker()
+        await runs_started(before + 2)
+        await sigkill(harness.pid)  # the call running again
+        await sigkill(pipeline.pid)  # pipeline 2: idle, the run waiting on its tool
+        killed += [harness, pipeline]
+        harness, pipeline = new_harness(), new_pipeline()
+        await until(crashed, has("tool_result"))
+        await sigkill(pipeline.pid)  # pipeline 3: the next turn just asked for
+        killed.append(pipeline)
+        pipeline = new_pipeline()
+        printed_crashed = await printed(asking)
+        events = {run: await until(run, finals) for run in (calm, crashed)}
+
         # the same run asked for again: its final is sent again, as it was, and nothing is run;
         # a request that is not a valid run: its asker is told why
-        again = {"run_id": run_id, "messages": [{"role": "user", "content": "x"}], "tools": [VISIT]}
-        bad = {"run_id": f"{run_id}-bad", "messages": [], "tools": [VISIT]}
+        again = {"run_id": crashed, "messages": [{"role": "user", "content": "x"}], "tools": [VISIT]}
+        bad = {"run_id": f"{crashed}-bad", "messages": [], "tools": [VISIT]}
         await publish(
             bootstrap_servers,
             f"{prefix}.harness",
-            [(run_id.encode(), json.dumps(again).encode()), (b"bad", json.dumps(bad).encode())],
+            [(crashed.encode(), json.dumps(again).encode()), (b"bad", json.dumps(bad).encode())],
         )
-
-        def finals(es: list[dict]) -> int:
-            return sum(e["type"] == "harness_final" for e in es)
-
-        repeated = await events_of(bootstrap_servers, prefix, run_id, lambda es: finals(es) == 2)
-        refused = await events_of(bootstrap_servers, prefix, f"{run_id}-bad", finals)
+        repeated = await until(crashed, lambda es: finals(es) == 2)
+        refused = await until(f"{crashed}-bad", finals)
     finally:
-        pipeline.stop()
-        for service in services:
-            service.stop()
+        for process in (pipeline, worker, harness, *killed):
+            process.stop()
 
-    by_seq: dict[int, dict] = {}
-    for event in events:
-        assert by_seq.setdefault(event["seq"], event) == event, "a seq with two contents"
-    assert sorted(by_seq) == list(range(len(by_seq)))
-    (final,) = [e for e in by_seq.values() if e["type"] == "harness_final"]
-    assert final["stop_reason"] in ("answer", "max_steps") and final["tool_calls"] >= 1
-    calls = [
-        e["call"] for e in by_seq.values() if e["kind" if "kind" in e else "type"] == "tool_call"
-    ]
-    results = [e["result"] for e in by_seq.values() if e.get("kind") == "tool_result"]
-    assert len(calls) == final["tool_calls"] == len(results)
-    assert all(r["ok"] and r["content"] == "a quiet harbour with three boats" for r in results)
-    assert len(counted.read_text().split()) == len(calls)  # each call run once, through the kill
-    # the client printed the same run: its events as JSON lines, ending with the final
-    printed = [json.loads(line) for line in out.splitlines()]
-    assert printed[-1] == final and [e["seq"] for e in printed] == sorted(by_seq)
+    assert what_happened(events[crashed]) == what_happened(events[calm])
+    (final,) = [e for e in events[crashed] if e["type"] == "harness_final"]
+    calls = [e for e in events[crashed] if e.get("kind") == "tool_call"]
+    assert len(calls) == final["tool_calls"] >= 1
+    # every call run once whole (the tool's own count) through every kill: the run the worker's
+    # kill cut short started and did not finish, and no call was run twice
+    assert len(lines(counted)) == before + len(calls)
+    assert len(lines(started)) == len(lines(counted)) + 1
+    # each client printed its run: its events as JSON lines, once each, ending with the final
+    for shown, run in ((printed_calm, calm), (printed_crashed, crashed)):
+        assert [e["seq"] for e in shown] == sorted({e["seq"] for e in events[run]})
+        assert shown[-1] == [e for e in events[run] if e["type"] == "harness_final"][0]
     first, second = [e for e in repeated if e["type"] == "harness_final"]
     assert first == second == final
-    assert len(counted.read_text().split()) == len(calls)  # (nothing run for the repeat)
+    assert len(lines(counted)) == before + len(calls)  # (nothing run for the repeat)
     (why,) = refused
     assert why["stop_reason"] == "error" and "messages" in why["error"]
