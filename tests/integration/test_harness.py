@@ -224,7 +224,8 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
 
         # the same run asked for again: its final is sent again, as it was, and nothing is run;
         # a request that is not a valid run: its asker is told why
-        again = {"run_id": crashed, "messages": [{"role": "user", "content": "x"}], "tools": [VISIT]}
+        question = [{"role": "user", "content": "x"}]
+        again = {"run_id": crashed, "messages": question, "tools": [VISIT]}
         bad = {"run_id": f"{crashed}-bad", "messages": [], "tools": [VISIT]}
         await publish(
             bootstrap_servers,
