@@ -20,7 +20,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -71,7 +71,6 @@ from sluice.engine import EngineConfig, tool_formats
 
 if TYPE_CHECKING:
     from sluice.engine import LLMEngine
-    from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -410,18 +409,20 @@ class Pipeline:
             LLMEngine, self.config.model, self.config.engine
         )
         engine.fault_hook = fault_hook_from_env(engine.tokenizer)  # tests only
-        self._choose_tool_format(engine.tokenizer)
+        self._choose_tool_format(engine)
         if engine.other_cpus:
             # The engine has CPUs of its own: this loop (and the threads it starts) keeps off them
             bind_this_thread(engine.other_cpus)
         return engine
 
-    def _choose_tool_format(self, tokenizer: Tokenizer | None) -> None:
+    def _choose_tool_format(self, engine: LLMEngine) -> None:
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             return
         name = self.config.tool_call_parser
         if name is not None:
             tokenizer.tool_format = tool_formats.named(name)(tokenizer)
+            engine.provenance = replace(engine.provenance, tool_format=tokenizer.tool_format.name)
         how = "--tool-call-parser" if name else "chosen from the model's chat template"
         if not tool_formats.template_renders_tools(tokenizer.chat_template):
             how += (

@@ -21,9 +21,9 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.cli.client import (
     ClientError,
@@ -40,6 +40,9 @@ from sluice.connectors.kafka_security import KafkaRefused, KafkaSecurityError
 from sluice.connectors.settings import redis_url
 from sluice.schemas import FinalEvent, GenerateRequest, TokenEvent
 from sluice.schemas.events import LOGPROB_FLOOR
+
+if TYPE_CHECKING:
+    from sluice.engine import LLMEngine
 
 EXIT_IDENTICAL, EXIT_DIFFERENT, EXIT_USAGE = 0, 1, 2
 KV_CACHE_DTYPES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # provenance name -> setting
@@ -90,7 +93,9 @@ _DECIDING = {
     "quantization": "another quantization",
     "kv_cache_dtype": "another KV cache type",
     "device": "another kind of device",
+    "tool_format": "another tool-call format",
 }
+_SINCE = {"tool_format"}  # recorded since a later version: not held against an older record
 
 
 def expectation(recorded: dict[str, Any], here: dict[str, Any]) -> tuple[bool, list[str]]:
@@ -108,7 +113,7 @@ def expectation(recorded: dict[str, Any], here: dict[str, Any]) -> tuple[bool, l
     why += [
         f"{reason} ({name})"
         for name, reason in _DECIDING.items()
-        if recorded.get(name) != here.get(name)
+        if recorded.get(name) != here.get(name) and (name in recorded or name not in _SINCE)
     ]
     if recorded.get("dtype") == "bfloat16" and here.get("dtype") == "bfloat16":
         dot = ["avx512_bf16" in (p.get("cpu_features") or []) for p in (recorded, here)]
@@ -127,12 +132,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "events",
         nargs="?",
-        help="JSON lines: the request's events (sluice tail --json) or a sluice generate --json "
-        "record; without it, read them from Kafka (needs --request-id)",
+        help="JSON lines: the request's events (sluice tail --json), a sluice generate --json "
+        "record, or a harness run's events (sluice agent run --json); without it, read them from "
+        "Kafka (needs --request-id or --run-id)",
     )
     parser.add_argument("--request-id", help="which request (needed when the source holds several)")
+    parser.add_argument(
+        "--run-id",
+        help="replay a harness run: its model turns again, with the recorded tool results (its "
+        "events from the file, else from PREFIX.harness-events)",
+    )
     parser.add_argument("--request", help="the original request as a JSON file")
-    parser.add_argument("--topic", help="read the events from this topic instead of PREFIX.tokens")
+    parser.add_argument(
+        "--topic",
+        help="read the events from this topic instead of PREFIX.tokens (a run's: "
+        "PREFIX.harness-events)",
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to look on Kafka")
     parser.add_argument("--model", help="run this model instead of the recorded one")
     parser.add_argument("--device", default="cpu")
@@ -147,10 +162,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sluice.cli.replay_run import is_run_record
+
     quiet_logging(args)
     try:
-        if args.events is not None:
-            served = served_from_lines(_read_lines(args.events), args.request_id, _request(args))
+        lines = _read_lines(args.events) if args.events is not None else None
+        if args.run_id is not None or (lines is not None and is_run_record(lines)):
+            return _replay_run(args, lines)
+        if lines is not None:
+            served = served_from_lines(lines, args.request_id, _request(args))
         elif args.request_id is None:
             raise ClientError("give a file of events, or --request-id to read them from Kafka")
         else:
@@ -168,6 +188,39 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(json.dumps(report.to_dict()) if args.json else describe(served, report))
     return EXIT_IDENTICAL if report.identical else EXIT_DIFFERENT
+
+
+def _replay_run(args: argparse.Namespace, lines: list[dict] | None) -> int:
+    from sluice.cli.replay_run import describe_run, recorded_run, replay_run
+
+    try:
+        if lines is None:
+            lines = asyncio.run(_run_events(args))
+        recorded = recorded_run(lines, args.run_id)
+        report = replay_run(recorded, args.model, args.device, args.kv_cache_mb << 20)
+    except (ClientError, KafkaRefused, KafkaSecurityError) as exc:
+        print(f"sluice replay: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report.to_dict()) if args.json else describe_run(recorded, report))
+    return EXIT_IDENTICAL if report.identical else EXIT_DIFFERENT
+
+
+async def _run_events(args: argparse.Namespace) -> list[dict]:
+    """A run's events as PREFIX.harness-events (or --topic) holds them."""
+    from sluice.harness.service import harness_topics
+
+    topic = args.topic or harness_topics(args.topic_prefix)["events"]
+    events = []
+    for raw in await _records(args, topic):
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("run_id") == args.run_id:
+            events.append(event)
+    if not events:
+        raise ClientError(f"no events of run {args.run_id} on {topic}")
+    return events
 
 
 def _read_lines(path: str) -> list[dict]:
@@ -280,11 +333,24 @@ async def _from_kafka(args: argparse.Namespace) -> Served:
 
 
 async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -> GenerateRequest:
-    """The request `request_id` as published on `topic` (read from the beginning to the end)."""
+    """The request `request_id` as published on `topic`."""
+    from sluice.schemas import RequestRejected, decode_request
+
+    for raw in await _records(args, topic):
+        try:
+            request = decode_request(raw)
+        except RequestRejected:
+            continue
+        if request.request_id == request_id:
+            return request
+    raise ClientError(f"request {request_id} is not on {topic}: give --request FILE")
+
+
+async def _records(args: argparse.Namespace, topic: str) -> list[bytes]:
+    """Every record's value on `topic`, read from the beginning to the end."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     from sluice.connectors.kafka_security import kafka_client_options
-    from sluice.schemas import RequestRejected, decode_request
 
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_from_args(args),
@@ -293,6 +359,7 @@ async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -
         **kafka_client_options(),
     )
     await start_checked(consumer, bootstrap_from_args(args))
+    values: list[bytes] = []
     try:
         cluster = await consumer._client.fetch_all_metadata()  # not subscribed: ask the broker
         tps = [TopicPartition(topic, p) for p in sorted(cluster.partitions_for_topic(topic) or ())]
@@ -302,19 +369,13 @@ async def _find_request(args: argparse.Namespace, topic: str, request_id: str) -
         left = {tp for tp in tps if ends[tp] > 0}
         while left:
             for records in (await consumer.getmany(timeout_ms=1000)).values():
-                for record in records:
-                    try:
-                        request = decode_request(record.value or b"")
-                    except RequestRejected:
-                        continue
-                    if request.request_id == request_id:
-                        return request
+                values += [record.value or b"" for record in records]
             for tp in list(left):
                 if await consumer.position(tp) >= ends[tp]:
                     left.discard(tp)
     finally:
         await consumer.stop()
-    raise ClientError(f"request {request_id} is not on {topic}: give --request FILE")
+    return values
 
 
 def session_history(request: GenerateRequest, url: str) -> tuple[list[dict], list[int]]:
@@ -343,22 +404,14 @@ def session_history(request: GenerateRequest, url: str) -> tuple[list[dict], lis
     return record.before(request.request_id)
 
 
-def replay(
-    served: Served,
-    model: str | None,
-    device: str,
-    kv_cache_bytes: int,
-    history: tuple[list[dict], list[int]] | None = None,
-) -> Report:
-    """Run the request alone as recorded; a session turn after `history` (`session_history`)."""
-    from sluice.actors.conversation import build_prompt
-    from sluice.actors.tool_calls import sampling_kwargs
-    from sluice.engine import EngineConfig, LLMEngine, SamplingParams
+def engine_as_recorded(
+    recorded: dict[str, Any], model: str | None, device: str, kv_cache_bytes: int
+) -> LLMEngine:
+    """An engine set up as the provenance `recorded` says (dtype, deterministic mode,
+    quantization, KV cache type, tool-call format; the recorded model file when it exists here,
+    else `model` or the default model)."""
+    from sluice.engine import EngineConfig, EngineError, LLMEngine, tool_formats
 
-    request = served.request
-    if request.session_id is not None and history is None:
-        raise ClientError("a session turn needs its conversation before it (session_history)")
-    recorded = served.provenance
     dtype = recorded.get("dtype", "float32")
     kv = recorded.get("kv_cache_dtype", dtype)
     config = EngineConfig(
@@ -373,24 +426,79 @@ def replay(
     if model is None and recorded_model and Path(recorded_model).exists():
         model = recorded_model
     engine = LLMEngine(model, config)
+    tokenizer, tool_format = engine.tokenizer, recorded.get("tool_format")
+    if tokenizer is not None and tool_format and tool_format != tokenizer.tool_format.name:
+        try:  # (served with --tool-call-parser)
+            tokenizer.tool_format = tool_formats.named(tool_format)(tokenizer)
+        except EngineError as exc:
+            raise ClientError(f"the recorded tool-call format: {exc}") from exc
+        engine.provenance = replace(engine.provenance, tool_format=tool_format)
+    return engine
+
+
+@dataclass
+class Alone:
+    """A request's completions, generated on an engine of its own."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+
+def run_alone(
+    engine: LLMEngine,
+    request: GenerateRequest,
+    seed: int,
+    history: tuple[list[dict], list[int]] | None = None,
+) -> Alone:
+    """Generate `request` with `seed`, alone; a session turn after `history`."""
+    from sluice.actors.conversation import build_prompt
+    from sluice.actors.tool_calls import sampling_kwargs
+    from sluice.engine import SamplingParams
+
     prompt = build_prompt(engine.tokenizer, request, *(history or (None, None)))
-    rebuilt, had = len(prompt.token_ids), served.prompt_tokens
-    if history is not None and had is not None and rebuilt != had:
-        raise ClientError(
-            f"the turn's prompt comes to {rebuilt} tokens from the session's record, {had} when "
-            "it was served (another tokenizer or chat template): it cannot be rebuilt here"
-        )
-    params = SamplingParams(**{**sampling_kwargs(request, engine.tokenizer), "seed": served.seed})
+    params = SamplingParams(**{**sampling_kwargs(request, engine.tokenizer), "seed": seed})
     engine.add_request(request.request_id, params=params, prompt_token_ids=prompt.token_ids)
-    tokens: dict[int, list[int]] = {}
-    logprobs: dict[int, list[float]] = {}
+    alone = Alone(prompt_tokens=len(prompt.token_ids))
     while engine.has_unfinished():
         for out in engine.step():
-            tokens.setdefault(out.index, []).extend(out.new_token_ids)
-            logprobs.setdefault(out.index, []).extend(
+            alone.tokens.setdefault(out.index, []).extend(out.new_token_ids)
+            alone.logprobs.setdefault(out.index, []).extend(
                 max(LOGPROB_FLOOR, lp.logprob) for lp in out.logprobs
             )
-    identical, compared, first = _compare(served, tokens, logprobs)
+            alone.texts[out.index] = alone.texts.get(out.index, "") + out.text
+            if out.finished:
+                alone.finish_reasons[out.index] = out.finish_reason or "stop"
+    return alone
+
+
+def replay(
+    served: Served,
+    model: str | None,
+    device: str,
+    kv_cache_bytes: int,
+    history: tuple[list[dict], list[int]] | None = None,
+) -> Report:
+    """Run the request alone as recorded; a session turn after `history` (`session_history`)."""
+    request = served.request
+    if request.session_id is not None and history is None:
+        raise ClientError("a session turn needs its conversation before it (session_history)")
+    recorded = served.provenance
+    engine = engine_as_recorded(recorded, model, device, kv_cache_bytes)
+    if history is not None and served.prompt_tokens is not None:
+        from sluice.actors.conversation import build_prompt
+
+        rebuilt = len(build_prompt(engine.tokenizer, request, *history).token_ids)
+        if rebuilt != served.prompt_tokens:
+            raise ClientError(
+                f"the turn's prompt comes to {rebuilt} tokens from the session's record, "
+                f"{served.prompt_tokens} when it was served (another tokenizer or chat "
+                "template): it cannot be rebuilt here"
+            )
+    alone = run_alone(engine, request, served.seed, history)
+    identical, compared, first = _compare(served, alone.tokens, alone.logprobs)
     expected, why_not = expectation(recorded, engine.provenance.to_dict())
     return Report(
         identical, compared, first, engine.provenance.differences(recorded), expected, why_not

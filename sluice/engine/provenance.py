@@ -74,6 +74,9 @@ class Provenance:
     device: str
     device_name: str  # the CPU model, or the GPU's name and compute capability
     cpu_features: tuple[str, ...]  # those of NUMERIC_CPU_FLAGS the CPU has
+    # how tool calls are written and read (`ToolFormat.name`): it shapes a tool request's prompt
+    # and grammar (the pipeline's --tool-call-parser replaces the template's choice)
+    tool_format: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -123,6 +126,7 @@ def engine_provenance(
         device=str(device),
         device_name=_device_name(device),
         cpu_features=cpu_features(),
+        tool_format=tokenizer.tool_format.name if tokenizer is not None else None,
     )
 
 

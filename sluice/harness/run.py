@@ -64,6 +64,7 @@ class RunState(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     last_text: str = ""
+    provenance: dict[str, Any] | None = None  # of the last model turn
     turns: int = 0  # model turns taken (their final events read)
     turn_cut: bool = False  # the turn under way was given less than max_tokens: what was left
     stop_reason: StopReason | None = None
@@ -114,7 +115,15 @@ class Run:
         s.completion_tokens += event.usage.completion_tokens
         s.last_text = event.text
         calls = [c.model_dump(exclude={"index"}) for c in event.tool_calls or []]
-        self._event(out, "model", text=event.text, tool_calls=calls or None)
+        s.provenance = event.provenance.model_dump() if event.provenance else None
+        self._event(
+            out,
+            "model",
+            text=event.text,
+            tool_calls=calls or None,
+            seed=event.seed,
+            provenance=s.provenance,
+        )
         if event.finish_reason == "error":
             failure = event.error.message if event.error else "the model turn failed"
             self._finish(out, "error", error=failure)
@@ -272,6 +281,8 @@ class Run:
             trace=s.trace,
             error=s.error,
             metadata=s.request.metadata,
+            request=s.request.model_dump(mode="json", exclude_none=True),
+            provenance=s.provenance,
         )
 
 
@@ -280,7 +291,8 @@ TRACED_CHARS = 2000  # of a step's text or result in the trace (the step events 
 
 def _traced(event: HarnessStep) -> dict[str, Any]:
     """A step as the final's trace keeps it: long texts cut, so that the final stays small."""
-    entry = event.model_dump(exclude={"schema_version", "run_id", "seq", "type"})
+    # (a turn's provenance is on its step event, and the last one on the final)
+    entry = event.model_dump(exclude={"schema_version", "run_id", "seq", "type", "provenance"})
     if entry.get("text") and len(entry["text"]) > TRACED_CHARS:
         entry["text"] = entry["text"][:TRACED_CHARS] + " [...]"
     result = entry.get("result")

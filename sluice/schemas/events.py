@@ -253,6 +253,11 @@ class Provenance(_Wire):
         default_factory=list,
         description="The CPU's instruction-set features that choose kernels, and so rounding.",
     )
+    tool_format: str | None = Field(
+        None,
+        description="How tool calls are written and read (hermes, llama3_json): it shapes a tool "
+        "request's prompt and grammar.",
+    )
 
 
 class FinalEvent(_Wire):

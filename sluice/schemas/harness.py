@@ -77,6 +77,10 @@ class HarnessStep(_Event):
     tool_calls: list[dict[str, Any]] | None = Field(None, description="model: the calls made.")
     call: dict[str, Any] | None = Field(None, description="tool_call: the call as published.")
     result: dict[str, Any] | None = Field(None, description="tool_result: the worker's answer.")
+    seed: int | None = Field(None, description="model: the turn's seed (`sluice replay`).")
+    provenance: dict[str, Any] | None = Field(
+        None, description="model: the engine and settings that served the turn."
+    )
 
 
 class HarnessFinal(_Event):
@@ -95,3 +99,9 @@ class HarnessFinal(_Event):
     )
     error: str | None = None
     metadata: dict[str, JsonValue] | None = None
+    request: dict[str, Any] | None = Field(
+        None, description="The run as asked for: with the trace, what `sluice replay` runs again."
+    )
+    provenance: dict[str, Any] | None = Field(
+        None, description="The engine and settings that served the last model turn."
+    )

@@ -108,3 +108,15 @@ def test_a_weights_digest_is_read_once_until_its_files_change(tmp_path, monkeypa
         ).hexdigest()
     )
     assert len(reads) == 7
+
+
+def test_names_the_tool_call_format_and_a_parser_chosen_over_the_templates(engine):
+    from sluice.actors.pipeline import Pipeline, PipelineConfig
+
+    assert engine.provenance.tool_format == engine.tokenizer.tool_format.name == "hermes"
+    was = engine.tokenizer.tool_format, engine.provenance
+    try:
+        Pipeline(PipelineConfig(tool_call_parser="llama3_json"))._choose_tool_format(engine)
+        assert engine.provenance.tool_format == engine.tokenizer.tool_format.name == "llama3_json"
+    finally:
+        engine.tokenizer.tool_format, engine.provenance = was

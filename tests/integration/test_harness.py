@@ -112,6 +112,18 @@ async def events_of(bootstrap: str, prefix: str, run_id: str, until, timeout: fl
     return events
 
 
+def replay(*args: str, expect: int = 0) -> dict:
+    """`sluice replay ... --json`: its report."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sluice", "replay", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == expect, (done.stdout, done.stderr)
+    return json.loads(done.stdout)
+
+
 def lines(path: Path) -> list[str]:
     return path.read_text().splitlines()
 
@@ -250,6 +262,18 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     for shown, run in ((printed_calm, calm), (printed_crashed, crashed)):
         assert [e["seq"] for e in shown] == sorted({e["seq"] for e in events[run]})
         assert shown[-1] == [e for e in events[run] if e["type"] == "harness_final"][0]
+    # replayed from its record, with the recorded tool results: the same run; a record that says
+    # otherwise is told where
+    replayed = replay("--run-id", crashed, *kafka)
+    assert replayed["identical"] and replayed["expected_to_reproduce"], replayed
+    assert replayed["turns"] == final["steps"]
+    said = next(e for e in reversed(printed_calm) if e.get("kind") == "model")
+    said["text"] = (said["text"] or "") + "!"
+    (tmp_path / "calm.jsonl").write_text("".join(json.dumps(e) + "\n" for e in printed_calm))
+    replayed = replay(str(tmp_path / "calm.jsonl"), expect=1)
+    assert not replayed["identical"], replayed
+    assert replayed["first_difference"]["step"] == said["step"]
+    assert replayed["first_difference"]["field"] == "text"
     first, second = [e for e in repeated if e["type"] == "harness_final"]
     assert first == second == final
     assert len(lines(counted)) == before + len(calls)  # (nothing run for the repeat)
