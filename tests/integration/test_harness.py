@@ -4,7 +4,8 @@ mode, a run through SIGKILLs of every process it uses (the pipeline three times,
 and the harness once each) ends as the same run uninterrupted does: the same turns, calls, results
 and answer, one final, every event with one content, and every tool call run once (a worker
 stopped while running a tool that is not idempotent answers `interrupted` instead:
-tests/integration/test_tool_worker.py)."""
+tests/integration/test_tool_worker.py). The run replays identically from its record (`sluice
+replay`). Beside them, a run of a tool that always fails ends on its failures and stalls nothing."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def visit(place: str) -> str:
     with open(os.environ["COUNT_FILE"], "a") as f:
         f.write(place + "\\n")
     return f"a quiet harbour with {len(place) % 5 + 2} boats"
+
+@tool
+def poison(what: str) -> str:
+    """Look something up."""
+    raise RuntimeError("poisoned")
 '''
 VISIT = {
     "type": "function",
@@ -48,6 +54,19 @@ VISIT = {
             "type": "object",
             "properties": {"place": {"type": "string", "maxLength": 20}},
             "required": ["place"],
+            "additionalProperties": False,
+        },
+    },
+}
+POISON = {
+    "type": "function",
+    "function": {
+        "name": "poison",
+        "description": "Look something up.",
+        "parameters": {
+            "type": "object",
+            "properties": {"what": {"type": "string", "maxLength": 20}},
+            "required": ["what"],
             "additionalProperties": False,
         },
     },
@@ -169,7 +188,8 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         return PipelineProcess(bootstrap_servers, None, prefix, tmp_path, "--deterministic")
 
     def new_worker() -> Service:
-        return Service(tmp_path, "tools", "serve", "toolmod:visit", *kafka, env=tool_env)
+        serving = ["toolmod:visit", "toolmod:poison"]
+        return Service(tmp_path, "tools", "serve", *serving, *kafka, env=tool_env)
 
     def new_harness() -> Service:
         return Service(tmp_path, "agent", "serve", *kafka)
@@ -208,7 +228,22 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         pipeline.wait_ready()
         worker.wait_for("serving ")
         harness.wait_for("harness serving")
+        # a run of a tool that always fails, beside it: ended by its failures, stalling nothing
+        poisoned = {
+            "run_id": f"{calm}-poison",
+            "messages": [{"role": "user", "content": "Look up the tide."}],
+            "tools": [POISON],
+            "tool_choice": {"type": "function", "function": {"name": "poison"}},
+            "max_tool_failures": 1,
+            "max_tokens": 40,
+        }
+        await publish(
+            bootstrap_servers,
+            f"{prefix}.harness",
+            [(poisoned["run_id"].encode(), json.dumps(poisoned).encode())],
+        )
         printed_calm = await printed(ask(calm))
+        poison_events = await until(poisoned["run_id"], finals)
         before = len(lines(counted))
         assert before >= 1 and lines(started) == lines(counted)
 
@@ -251,6 +286,11 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
             process.stop()
 
     assert what_happened(events[crashed]) == what_happened(events[calm])
+    (poison_final,) = [e for e in poison_events if e["type"] == "harness_final"]
+    assert poison_final["stop_reason"] == "tool_failures", json.dumps(poison_events)
+    assert poison_final["tool_calls"] == 1
+    (failed,) = [e["result"] for e in poison_events if e.get("kind") == "tool_result"]
+    assert not failed["ok"] and failed["error"] == "failed" and "poisoned" in failed["content"]
     (final,) = [e for e in events[crashed] if e["type"] == "harness_final"]
     calls = [e for e in events[crashed] if e.get("kind") == "tool_call"]
     assert len(calls) == final["tool_calls"] >= 1
