@@ -128,8 +128,11 @@ class Run:
             failure = event.error.message if event.error else "the model turn failed"
             self._finish(out, "error", error=failure)
         elif not calls:
-            cut_short = event.finish_reason == "length" and s.turn_cut
-            self._finish(out, "budget" if cut_short else "answer")
+            # a turn cut by its token limit is not an answer (it may be a call half written)
+            if event.finish_reason == "length":
+                self._finish(out, "budget" if s.turn_cut else "max_tokens")
+            else:
+                self._finish(out, "answer")
         elif s.tool_calls + len(calls) > s.request.max_tool_calls:
             self._finish(out, "max_tool_calls")
         else:

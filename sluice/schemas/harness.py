@@ -18,7 +18,14 @@ from .tools import MAX_TOOLS, Tool, ToolChoice, check_tools
 from .version import SCHEMA_VERSION
 
 StopReason = Literal[
-    "answer", "max_steps", "max_tool_calls", "budget", "timeout", "tool_failures", "error"
+    "answer",
+    "max_tokens",
+    "max_steps",
+    "max_tool_calls",
+    "budget",
+    "timeout",
+    "tool_failures",
+    "error",
 ]
 
 

@@ -222,6 +222,14 @@ def test_a_turn_cut_to_the_tokens_left_ends_the_run_on_its_budget():
     assert run.final_event() == final  # (made again, e.g. for an asker who missed it)
 
 
+def test_a_turn_cut_by_its_own_token_limit_is_no_answer():
+    run, _ = Run.start(harness_request(max_tokens=30), TOPICS, now=0.0)
+    cut = turn("run-1.m0", text='<tool_call>\n{"name": "add", "arguments": {"a', tokens=30)
+    cut = cut.model_copy(update={"finish_reason": "length"})
+    (final,) = sent(run.on_model_event(cut, now=1.0), HarnessFinal)
+    assert final.stop_reason == "max_tokens" and final.answer == cut.text
+
+
 def test_a_fault_while_moving_a_run_ends_it_with_an_error():
     run, _ = Run.start(harness_request(), TOPICS, now=0.0)
     (final,) = sent(run.fail("the harness failed: boom", now=5.0), HarnessFinal)
