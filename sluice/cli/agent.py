@@ -48,6 +48,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ask.add_argument("--temperature", type=float, help="default 0 (greedy)")
     ask.add_argument("--seed", type=int)
     ask.add_argument("--timeout-s", type=float, help="the run's wall-clock budget (default 600)")
+    verify = ask.add_mutually_exclusive_group()
+    verify.add_argument(
+        "--self-consistency",
+        type=int,
+        metavar="N",
+        help="run N samples (each a whole run) and answer with what most of them answer",
+    )
+    verify.add_argument(
+        "--best-of",
+        type=int,
+        metavar="N",
+        help="run N samples and answer with the one --scorer scores highest",
+    )
+    ask.add_argument("--scorer", metavar="TOOL", help="--best-of: the tool that scores an answer")
+    ask.add_argument(
+        "--answer-pattern",
+        metavar="REGEX",
+        help="--self-consistency: samples vote with its last match in their answers",
+    )
     ask.add_argument("--run-id", help="default: a fresh uuid4 hex")
     ask.add_argument("--json", action="store_true", help="print each event as a JSON line")
     ask.add_argument("--wait", type=float, default=900, help="give up after this many seconds")
@@ -90,6 +109,16 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
+    if args.self_consistency is not None:
+        body["verifier"] = {"type": "self-consistency", "n": args.self_consistency}
+        if args.answer_pattern is not None:
+            body["verifier"]["answer_pattern"] = args.answer_pattern
+    elif args.best_of is not None:
+        body["verifier"] = {"type": "best-of-n", "n": args.best_of, "scorer": args.scorer}
+    if (args.scorer and args.best_of is None) or (
+        args.answer_pattern and args.self_consistency is None
+    ):
+        raise ClientError("--scorer goes with --best-of, --answer-pattern with --self-consistency")
     return body
 
 
@@ -141,33 +170,56 @@ async def ask(args: argparse.Namespace) -> int:
 
 
 async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int:
-    seen: set[int] = set()
+    """Print the run's events, and its samples' (a verifier's run), once each, until its final."""
+    seen: set[tuple[str, int]] = set()
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         batch = await consumer.getmany(timeout_ms=500)
         for records in batch.values():
             for record in records:
                 event = json.loads(record.value)
-                if event.get("run_id") != run_id or event.get("seq") in seen:
+                of = event.get("run_id")
+                if not isinstance(of, str) or (of != run_id and not _sample(of, run_id)):
                     continue
-                seen.add(event["seq"])
+                if (of, event.get("seq")) in seen:
+                    continue
+                seen.add((of, event["seq"]))
                 if as_json:
                     print(json.dumps(event, ensure_ascii=False), flush=True)
                 else:
-                    print(_line(event), flush=True)
-                if event.get("type") == "harness_final":
+                    sample = f"[sample {of[len(run_id) + 2 :]}] " if of != run_id else ""
+                    print(sample + _line(event), flush=True)
+                if event.get("type") == "harness_final" and of == run_id:
                     return EXIT_OK if event["stop_reason"] == "answer" else EXIT_FAILED
     return EXIT_TIMEOUT
+
+
+def _how(candidate: dict[str, Any]) -> str:
+    if "score" in candidate:
+        return f"score {candidate['score']}"
+    if candidate.get("vote") is not None:
+        return f"votes {candidate['vote'][:40]!r}"
+    return str(candidate.get("stop_reason", "not ended"))
+
+
+def _sample(of: str, run_id: str) -> bool:
+    """Whether run `of` is a sample of `run_id` (RUN.s0, RUN.s1, ...)."""
+    return of.startswith(run_id + ".s") and of[len(run_id) + 2 :].isdigit()
 
 
 def _line(event: dict[str, Any]) -> str:
     if event.get("type") == "harness_final":  # (its answer is the last turn's text, shown)
         failure = f" ({event['error']})" if event.get("error") else ""
-        return (
+        summary = (
             f"[{event['stop_reason']}{failure}: {event['steps']} turns, "
             f"{event['tool_calls']} tool calls, {event['completion_tokens']} tokens, "
             f"{event['seconds']:.1f} s]"
         )
+        if not event.get("candidates"):
+            return summary
+        # a verifier's run: its samples' answers were shown as they came; say which it chose
+        how = [f"{c['run_id'].rpartition('.')[2]}: " + _how(c) for c in event["candidates"]]
+        return f"[samples {'; '.join(how)}]\n{event['answer'].strip()}\n{summary}"
     step = event["step"]
     if event["kind"] == "model":
         calls = ", ".join(c["function"]["name"] for c in event.get("tool_calls") or [])

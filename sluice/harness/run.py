@@ -52,6 +52,7 @@ class RunState(BaseModel):
 
     request: HarnessRequest
     started_at: float  # unix seconds
+    sample_of: str | None = None  # a verifier's sample: the run it is a sample of (`verify.py`)
     step: int = 0
     phase: Literal["model", "tools", "done"] = "model"
     messages: list[dict[str, Any]] = Field(default_factory=list)
@@ -88,10 +89,13 @@ class Run:
         return self.state.phase == "done"
 
     @classmethod
-    def start(cls, request: HarnessRequest, topics: Topics, now: float) -> tuple[Run, Outbox]:
+    def start(
+        cls, request: HarnessRequest, topics: Topics, now: float, sample_of: str | None = None
+    ) -> tuple[Run, Outbox]:
         state = RunState(
             request=request,
             started_at=now,
+            sample_of=sample_of,
             messages=[m.model_dump(exclude_none=True) for m in request.messages],
         )
         run = cls(state, topics)

@@ -31,6 +31,7 @@ from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
 from sluice.connectors.topics import ensure_topics, partitions_of
 from sluice.harness.run import Outbox, Run, RunState, Topics
+from sluice.harness.verify import Vote, VoteState
 from sluice.schemas import decode_event
 from sluice.schemas.events import ErrorEvent, FinalEvent
 from sluice.schemas.harness import HarnessFinal, HarnessRequest
@@ -65,6 +66,9 @@ class HarnessService:
             tool_prefix=f"{prefix}.tools",
         )
         self.runs: dict[str, Run] = {}
+        self.votes: dict[
+            str, Vote
+        ] = {}  # runs with a verifier (`verify.py`), their samples in runs
         self._producer: EventProducer | None = None
         self._states: Changelog | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -85,8 +89,13 @@ class HarnessService:
         await self._states.start()
         for run_id in self._states.keys():
             raw = self._states.get(run_id)
-            if raw is not None:
-                self.runs[run_id] = Run(RunState.model_validate_json(raw), self.topics)
+            if raw is None:
+                continue
+            kept = json.loads(raw)
+            if "samples" in kept:  # (a verifier's run)
+                self.votes[run_id] = Vote(VoteState.model_validate(kept), self.topics)
+            else:
+                self.runs[run_id] = Run(RunState.model_validate(kept), self.topics)
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
             group_id=f"{self.prefix}.harness",
@@ -104,6 +113,7 @@ class HarnessService:
             for p in await partitions_of(self.bootstrap_servers, topic)
         ]
         self._consumer.assign(partitions)
+        await self._gather_samples()
         unfinished = sum(not r.done for r in self.runs.values())
         log.info(
             "harness serving runs from %s (%d kept, %d unfinished)",
@@ -111,6 +121,15 @@ class HarnessService:
             len(self.runs),
             unfinished,
         )
+
+    async def _gather_samples(self) -> None:
+        """Samples that ended while their verifier's state was not kept yet (a stop in between)
+        are told to it now (it takes each once)."""
+        for vote in self.votes.values():
+            for sample in vote.state.samples:
+                run = self.runs.get(sample)
+                if not vote.done and run is not None and run.done:
+                    await self._apply(vote, vote.on_sample_final(run.final_event(), time.time()))
 
     async def stop(self) -> None:
         for part in (self._consumer, self._states, self._producer):
@@ -130,9 +149,10 @@ class HarnessService:
 
     async def _clock(self) -> None:
         now = time.time()
-        for run in list(self.runs.values()):
-            if not run.done:
-                await self._apply(run, run.on_clock(now))
+        machines: list[Run | Vote] = [*self.runs.values(), *self.votes.values()]
+        for machine in machines:
+            if not machine.done:
+                await self._apply(machine, machine.on_clock(now))
 
     async def _handle(self, topic: str, raw: bytes | None) -> None:
         now = time.time()
@@ -155,11 +175,26 @@ class HarnessService:
         except ValidationError as e:
             await self._refuse(raw, e, now)
             return
-        known = self.runs.get(request.run_id)
+        known = self.runs.get(request.run_id) or self.votes.get(request.run_id)
         if known is not None:
             log.info("run %s asked for again: it is under way or done", request.run_id)
             if known.done:  # its asker may have missed the answer: it is sent again, as it was
                 await self._publish([(self.topics.events, known.run_id, known.final_event())])
+            return
+        if request.verifier is not None:
+            vote, samples, out = Vote.start(request, self.topics, now)
+            self.votes[vote.run_id] = vote
+            self.runs |= {sample.run_id: sample for sample in samples}
+            log.info(
+                "run %s: started (%s of %d samples)",
+                vote.run_id,
+                request.verifier.type,
+                len(samples),
+            )
+            await self._publish(out.records)  # (then the states: a stop between starts again)
+            for sample in samples:
+                await self._keep(sample)
+            await self._keep(vote)
             return
         run, out = Run.start(request, self.topics, now)
         self.runs[request.run_id] = run
@@ -174,7 +209,7 @@ class HarnessService:
             run_id = json.loads(raw or b"").get("run_id")
         except (ValueError, AttributeError):
             run_id = None
-        if not isinstance(run_id, str) or not run_id or run_id in self.runs:
+        if not isinstance(run_id, str) or not run_id or run_id in self.runs or run_id in self.votes:
             log.error("not a harness request, skipped: %s", why)
             return
         final = HarnessFinal(
@@ -191,7 +226,7 @@ class HarnessService:
         )
         await self._publish([(self.topics.events, run_id, final)])
 
-    def _addressee(self, topic: str, raw: bytes | None) -> tuple[Run | None, Any]:
+    def _addressee(self, topic: str, raw: bytes | None) -> tuple[Run | Vote | None, Any]:
         """The run a message is for, and the move it makes."""
         if topic == self.names["replies"]:
             try:
@@ -208,25 +243,35 @@ class HarnessService:
             result = ToolResultMessage.model_validate_json(raw or b"")
         except ValidationError:
             return None, None
-        found = self.runs.get(result.request_id)
+        found: Run | Vote | None = self.runs.get(result.request_id)
+        found = found or self.votes.get(result.request_id)
         if found is None:
             return None, None
         return found, lambda now: found.on_tool_result(result, now)
 
-    async def _apply(self, run: Run, out: Outbox) -> None:
-        """Publish what a transition says, then keep the run's state."""
-        assert self._states is not None
+    async def _apply(self, machine: Run | Vote, out: Outbox) -> None:
+        """Publish what a transition says, then keep the run's state; a sample that ended is
+        then told to its verifier's run."""
         if not out.records:
             return
         try:
             await self._publish(out.records)
         except KafkaError as e:  # e.g. a message over the broker's size limit
-            log.error("run %s: could not publish its move (%s): it ends", run.run_id, e)
-            run.state.trace = []  # (the final, at least, is small)
-            await self._publish(run.fail(f"could not publish: {e}", time.time()).records)
-        await self._states.put({run.run_id: run.state.model_dump_json().encode()})
-        if run.done:
-            log.info("run %s: ended (%s)", run.run_id, run.state.stop_reason)
+            log.error("run %s: could not publish its move (%s): it ends", machine.run_id, e)
+            if isinstance(machine, Run):
+                machine.state.trace = []  # (the final, at least, is small)
+            await self._publish(machine.fail(f"could not publish: {e}", time.time()).records)
+        await self._keep(machine)
+        if not machine.done:
+            return
+        log.info("run %s: ended (%s)", machine.run_id, machine.state.stop_reason)
+        vote = self.votes.get(machine.state.sample_of or "") if isinstance(machine, Run) else None
+        if vote is not None and isinstance(machine, Run):
+            await self._apply(vote, vote.on_sample_final(machine.final_event(), time.time()))
+
+    async def _keep(self, machine: Run | Vote) -> None:
+        assert self._states is not None
+        await self._states.put({machine.run_id: machine.state.model_dump_json().encode()})
 
     async def _publish(self, records: list[tuple[str, str, BaseModel | dict[str, Any]]]) -> None:
         """Send, and return once Kafka has every record."""

@@ -8,13 +8,14 @@ then one `HarnessFinal` with the answer and the trace. As every sluice event, ea
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from .request import MAX_ID_LENGTH, Message, _request_id
-from .tools import MAX_TOOLS, Tool, ToolChoice, check_tools
+from .tools import FUNCTION_NAME, MAX_TOOLS, Tool, ToolChoice, check_tools
 from .version import SCHEMA_VERSION
 
 StopReason = Literal[
@@ -27,6 +28,46 @@ StopReason = Literal[
     "tool_failures",
     "error",
 ]
+
+
+class Verifier(BaseModel):
+    """How a run's answer is chosen among several: each sample is a whole run of its own (its
+    turns, calls and limits), sampled with its own seed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    type: Literal["self-consistency", "best-of-n"] = Field(
+        description="self-consistency: the answer most samples give; best-of-n: the answer the "
+        "scoring tool scores highest."
+    )
+    n: int = Field(3, ge=2, le=16, description="Samples: whole runs.")
+    answer_pattern: str | None = Field(
+        None,
+        max_length=200,
+        description="self-consistency: a regular expression; samples vote with its last match "
+        "in their answers (default: the whole answer, case and spacing aside).",
+    )
+    scorer: str | None = Field(
+        None,
+        pattern=FUNCTION_NAME,
+        description="best-of-n: a tool served on PREFIX.tools.<scorer>, called with the question "
+        "and an answer ({question, answer}); its result is the score, a number.",
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> Verifier:
+        if self.type == "best-of-n" and self.scorer is None:
+            raise ValueError("best-of-n needs a scorer (the tool that scores an answer)")
+        if self.type == "self-consistency" and self.scorer is not None:
+            raise ValueError("a scorer is for best-of-n; self-consistency votes")
+        if self.answer_pattern is not None:
+            if self.type != "self-consistency":
+                raise ValueError("answer_pattern is for self-consistency")
+            try:
+                re.compile(self.answer_pattern)
+            except re.error as e:
+                raise ValueError(f"answer_pattern is not a regular expression: {e}") from None
+        return self
 
 
 class HarnessRequest(BaseModel):
@@ -58,11 +99,18 @@ class HarnessRequest(BaseModel):
     max_tool_failures: int = Field(
         3, ge=1, description="Tool calls failing in a row (each shown to the model) that end it."
     )
+    verifier: Verifier | None = Field(
+        None, description="Sample several runs and choose the answer (default: one run)."
+    )
     metadata: dict[str, JsonValue] | None = None
 
     @model_validator(mode="after")
     def _tools_fit(self) -> HarnessRequest:
         check_tools(self.tools, self.tool_choice, prompt_is_chat=True)
+        if self.verifier is not None and self.temperature == 0:
+            raise ValueError(
+                "a verifier samples: give a temperature above 0 (else every sample is the same)"
+            )
         return self
 
 
@@ -108,6 +156,11 @@ class HarnessFinal(_Event):
     metadata: dict[str, JsonValue] | None = None
     request: dict[str, Any] | None = Field(
         None, description="The run as asked for: with the trace, what `sluice replay` runs again."
+    )
+    candidates: list[dict[str, Any]] | None = Field(
+        None,
+        description="With a verifier: each sample's run id, answer, stop reason and its votes "
+        "or score; the final's answer is the chosen one's, its counts the samples' sums.",
     )
     provenance: dict[str, Any] | None = Field(
         None, description="The engine and settings that served the last model turn."

@@ -5,7 +5,8 @@ and the harness once each) ends as the same run uninterrupted does: the same tur
 and answer, one final, every event with one content, and every tool call run once (a worker
 stopped while running a tool that is not idempotent answers `interrupted` instead:
 tests/integration/test_tool_worker.py). The run replays identically from its record (`sluice
-replay`). Beside them, a run of a tool that always fails ends on its failures and stalls nothing."""
+replay`). Beside them, a run of a tool that always fails ends on its failures and stalls nothing,
+and a best-of-n run answers with its best-scored sample's answer."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def visit(place: str) -> str:
 def poison(what: str) -> str:
     """Look something up."""
     raise RuntimeError("poisoned")
+
+@tool
+def score(question: str, answer: str) -> str:
+    """Score an answer: here, the longer the better."""
+    return str(len(answer))
 '''
 VISIT = {
     "type": "function",
@@ -188,7 +194,7 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         return PipelineProcess(bootstrap_servers, None, prefix, tmp_path, "--deterministic")
 
     def new_worker() -> Service:
-        serving = ["toolmod:visit", "toolmod:poison"]
+        serving = ["toolmod:visit", "toolmod:poison", "toolmod:score"]
         return Service(tmp_path, "tools", "serve", *serving, *kafka, env=tool_env)
 
     def new_harness() -> Service:
@@ -237,13 +243,27 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
             "max_tool_failures": 1,
             "max_tokens": 40,
         }
+        # and a run of two samples, each a run of its own, the longer answer chosen by a tool
+        best_of = {
+            "run_id": f"{calm}-best",
+            "messages": [{"role": "user", "content": "Name a colour in one word."}],
+            "tools": [POISON],
+            "tool_choice": "none",
+            "temperature": 1.0,
+            "seed": 3,
+            "max_tokens": 40,
+            "verifier": {"type": "best-of-n", "n": 2, "scorer": "score"},
+        }
         await publish(
             bootstrap_servers,
             f"{prefix}.harness",
-            [(poisoned["run_id"].encode(), json.dumps(poisoned).encode())],
+            [(poisoned["run_id"].encode(), json.dumps(poisoned).encode())]
+            + [(best_of["run_id"].encode(), json.dumps(best_of).encode())],
         )
         printed_calm = await printed(ask(calm))
         poison_events = await until(poisoned["run_id"], finals)
+        best_events = await until(best_of["run_id"], finals)
+        samples = [await until(f"{best_of['run_id']}.s{i}", finals) for i in range(2)]
         before = len(lines(counted))
         assert before >= 1 and lines(started) == lines(counted)
 
@@ -286,6 +306,13 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
             process.stop()
 
     assert what_happened(events[crashed]) == what_happened(events[calm])
+    (best,) = [e for e in best_events if e["type"] == "harness_final"]
+    ends = [next(e for e in events if e["type"] == "harness_final") for events in samples]
+    scores = [len(e["answer"]) if e["stop_reason"] == "answer" else None for e in ends]
+    assert [c.get("score") for c in best["candidates"]] == scores, json.dumps(best_events)
+    assert best["stop_reason"] == "answer" and best["answer"] == max(
+        (e["answer"] for e in ends if e["stop_reason"] == "answer"), key=len
+    )
     (poison_final,) = [e for e in poison_events if e["type"] == "harness_final"]
     assert poison_final["stop_reason"] == "tool_failures", json.dumps(poison_events)
     assert poison_final["tool_calls"] == 1
