@@ -16,7 +16,7 @@ from sluice.harness.verify import Vote, sample_seed, vote_of
 from sluice.schemas.harness import HarnessFinal, HarnessStep
 from sluice.schemas.tool_messages import ToolCallMessage
 
-from .test_run import TOPICS, answer, harness_request, sent, turn
+from .test_run import ADD, TOPICS, answer, harness_request, sent, turn
 
 SELF_CONSISTENCY = {"type": "self-consistency", "n": 3, "answer_pattern": r"-?\d+"}
 BEST_OF = {"type": "best-of-n", "n": 3, "scorer": "judge"}
@@ -148,3 +148,32 @@ def test_votes_are_the_patterns_last_match_or_the_answer_itself():
 def test_a_verifier_that_cannot_work_is_refused_with_the_reason(verifier, temperature, why):
     with pytest.raises(ValidationError, match=why):
         harness_request(verifier=verifier, temperature=temperature)
+
+
+def test_sluice_agent_run_asks_for_a_verifier_and_says_what_it_chose():
+    import argparse
+
+    from sluice.cli import agent
+    from sluice.cli.client import ClientError
+
+    parser = argparse.ArgumentParser()
+    agent.register(parser.add_subparsers())
+    ask = ["agent", "run", "What is 2 + 3?", "--tools", json.dumps([ADD]), "--temperature", "1"]
+    body = agent.request_body(parser.parse_args([*ask, "--self-consistency", "5"]))
+    assert body["verifier"] == {"type": "self-consistency", "n": 5}
+    body = agent.request_body(parser.parse_args([*ask, "--best-of", "2", "--scorer", "judge"]))
+    assert body["verifier"] == {"type": "best-of-n", "n": 2, "scorer": "judge"}
+    with pytest.raises(ClientError, match="--scorer goes with --best-of"):
+        agent.request_body(parser.parse_args([*ask, "--scorer", "judge"]))
+    assert agent._sample("r.s12", "r") and not agent._sample("r.s", "r")
+    assert not agent._sample("r.sx", "r") and not agent._sample("q.s1", "r")
+
+    vote, samples, _ = verified(SELF_CONSISTENCY)
+    for sample, text in zip(samples, ["5", "It is 5", "6"]):
+        out = vote.on_sample_final(ended(sample, text), 12.0)
+    (final,) = sent(out, HarnessFinal)
+    assert agent._line(final.model_dump()).splitlines() == [
+        "[samples s0: votes '5'; s1: votes '5'; s2: votes '6']",
+        "5",
+        "[answer: 3 turns, 0 tool calls, 30 tokens, 2.0 s]",
+    ]
