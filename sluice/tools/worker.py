@@ -19,7 +19,7 @@ import os
 import socket
 import time
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 
@@ -69,6 +69,7 @@ class ToolWorker:
         self._producer: EventProducer | None = None
         self._answers: Changelog | None = None
         self.ready = asyncio.Event()
+        self._reassigned = False  # partitions assigned since the answers were last read
 
     @property
     def topics(self) -> list[str]:
@@ -91,7 +92,6 @@ class ToolWorker:
         )
         await self._answers.start()
         self._consumer = AIOKafkaConsumer(
-            *self.topics,
             bootstrap_servers=self.bootstrap_servers,
             group_id=self.group,
             client_id=self.worker_id,
@@ -101,6 +101,7 @@ class ToolWorker:
             **kafka_client_options(),
         )
         await self._consumer.start()
+        self._consumer.subscribe(self.topics, listener=_Reassigned(self))
         log.info(
             "serving %s from %s (group %s, %d answers kept)",
             ", ".join(self.toolbox.tools),
@@ -134,8 +135,12 @@ class ToolWorker:
         except ValidationError as e:
             log.error("not a tool call, skipped: %s", e.errors()[0]["msg"] if e.errors() else e)
             return
-        if self._answers.get(call.key) is None:
-            await self._answers.catch_up()  # (another worker may have served it before a rebalance)
+        if self._answers.get(call.key) is None and self._reassigned:
+            # Calls of partitions another worker had may have been answered there: its answers
+            # are read once after each rebalance (not for every new call: that costs a read to
+            # the end of the answers topic, 0.1-0.6 s when the topic has been idle).
+            await self._answers.catch_up()
+            self._reassigned = False
         kept = self._answers.get(call.key)
         state = json.loads(kept) if kept is not None else None
         if state is not None and state.get("answer") is not None:
@@ -204,6 +209,17 @@ class ToolWorker:
             cut = len(content) - MAX_RESULT_CHARS
             content = content[:MAX_RESULT_CHARS] + f"\n[... {cut} more characters cut]"
         return result(True, content, None, time.monotonic() - started)
+
+
+class _Reassigned(ConsumerRebalanceListener):
+    def __init__(self, worker: ToolWorker):
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        self.worker._reassigned = True
 
 
 async def serve(
