@@ -43,11 +43,25 @@ SYSTEM = (
     "Solve the task. When a computation helps, call the python tool with a program that prints "
     "the result. End your answer with the result alone on its last line."
 )
+SYSTEM_ALONE = "Solve the task. End your answer with the result alone on its last line."
 MODES = ("alone", "python", "self-consistency")
 PYTHON_TOOL = "sluice.tools.python_tool:python"
 
 
 def run_request(task: Task, mode: str, max_tokens: int) -> dict[str, Any]:
+    """What a task is asked as: a harness run, or (mode "alone") a plain chat request to the
+    pipeline, with no tools offered, so that the model does not even know of one."""
+    if mode == "alone":
+        return {
+            "request_id": f"{task.id}-alone-{uuid.uuid4().hex[:6]}",
+            "messages": [
+                {"role": "system", "content": SYSTEM_ALONE},
+                {"role": "user", "content": task.question},
+            ],
+            "max_tokens": max_tokens,
+            "seed": 1,
+            "stream": False,
+        }
     body: dict[str, Any] = {
         "run_id": f"{task.id}-{mode}-{uuid.uuid4().hex[:6]}",
         "messages": [
@@ -55,14 +69,11 @@ def run_request(task: Task, mode: str, max_tokens: int) -> dict[str, Any]:
             {"role": "user", "content": task.question},
         ],
         "tools": [PYTHON],
+        "tool_choice": "required",
         "max_tokens": max_tokens,
         "max_steps": 4,
         "seed": 1,
     }
-    if mode == "alone":
-        body |= {"tool_choice": "none", "max_steps": 1}
-    else:
-        body["tool_choice"] = "required"
     if mode == "self-consistency":
         pattern = r"-?\d[\d,]*" if task.kind == "arithmetic" else r"[A-Za-z]{2,}"
         body |= {
@@ -109,36 +120,40 @@ class Services:
 
 
 async def run_all(bootstrap: str, prefix: str, requests: list[dict]) -> list[dict]:
-    """Ask for each run in turn; each one's final."""
-    events = f"{prefix}.harness-events"
-    await ensure_topics(bootstrap, {f"{prefix}.harness": 4, events: 4})
+    """Ask for each run (or plain request) in turn; each one's final, as a harness final."""
+    alone = "request_id" in requests[0]
+    ask, read = (
+        (f"{prefix}.requests", f"{prefix}.replies.bench")
+        if alone
+        else (f"{prefix}.harness", f"{prefix}.harness-events")
+    )
+    await ensure_topics(bootstrap, {ask: 4, read: 4})
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
     await consumer.start()
     await producer.start()
     finals = []
     try:
-        tps = [TopicPartition(events, p) for p in range(4)]
+        tps = [TopicPartition(read, p) for p in range(4)]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
         for tp in tps:
             await consumer.position(tp)
         for n, body in enumerate(requests, 1):
+            name = body.get("run_id") or body["request_id"]
+            if alone:
+                body = {**body, "reply_topic": read}
             started = time.monotonic()
-            await producer.send_and_wait(
-                f"{prefix}.harness", json.dumps(body).encode(), key=body["run_id"].encode()
-            )
+            await producer.send_and_wait(ask, json.dumps(body).encode(), key=name.encode())
             final = None
             while final is None:
-                for records in (await consumer.getmany(timeout_ms=500)).values():
-                    for r in records:
-                        event = json.loads(r.value)
-                        if event["run_id"] == body["run_id"] and event["type"] == "harness_final":
-                            final = event
+                for batch in (await consumer.getmany(timeout_ms=500)).values():
+                    for r in batch:
+                        final = final or _final_of(json.loads(r.value), name)
             final["wall_s"] = time.monotonic() - started
             finals.append(final)
             print(
-                f"  [{n}/{len(requests)}] {body['run_id']}: {final['stop_reason']}, "
+                f"  [{n}/{len(requests)}] {name}: {final['stop_reason']}, "
                 f"{final['steps']} turns, {final['wall_s']:.1f} s",
                 flush=True,
             )
@@ -146,6 +161,26 @@ async def run_all(bootstrap: str, prefix: str, requests: list[dict]) -> list[dic
         await producer.stop()
         await consumer.stop()
     return finals
+
+
+def _final_of(event: dict, name: str) -> dict | None:
+    """A run's final, or a plain request's final event made to look like one."""
+    if event.get("type") == "harness_final" and event["run_id"] == name:
+        return event
+    if event.get("type") in ("final", "error") and event.get("request_id") == name:
+        usage = event.get("usage") or {}
+        return {
+            "answer": event.get("text", ""),
+            "stop_reason": "error"
+            if event["type"] == "error"
+            else "answer"
+            if event.get("finish_reason") == "stop"
+            else "max_tokens",
+            "steps": 1,
+            "tool_calls": 0,
+            "completion_tokens": usage.get("completion_tokens", 0),
+        }
+    return None
 
 
 async def records(bootstrap: str, topics: list[str]) -> dict[str, list[tuple[int, dict]]]:
