@@ -41,6 +41,7 @@ from sluice.schemas.tool_messages import ToolResultMessage
 log = logging.getLogger(__name__)
 
 PARTITIONS = 4
+PUBLISH_ATTEMPTS = 6  # a retriable error waited out over about 15 s
 
 
 def harness_topics(prefix: str) -> dict[str, str]:
@@ -274,13 +275,27 @@ class HarnessService:
         await self._states.put({machine.run_id: machine.state.model_dump_json().encode()})
 
     async def _publish(self, records: list[tuple[str, str, BaseModel | dict[str, Any]]]) -> None:
-        """Send, and return once Kafka has every record."""
+        """Send, and return once Kafka has every record. A retriable error (a partition's leader
+        moving, a broker restarting) is waited out: records sent again are taken once by their
+        names; one that is not (a record over the size limit) is raised."""
         assert self._producer is not None
-        delivered = []
-        for topic, key, message in records:
-            value = message.model_dump_json() if isinstance(message, BaseModel) else _dumps(message)
-            delivered.append(await self._producer.send(topic, key=key, value=value.encode()))
-        await asyncio.gather(*delivered)
+        values = [
+            (topic, key, m.model_dump_json() if isinstance(m, BaseModel) else _dumps(m))
+            for topic, key, m in records
+        ]
+        for attempt in range(PUBLISH_ATTEMPTS):
+            try:
+                delivered = [
+                    await self._producer.send(topic, key=key, value=value.encode())
+                    for topic, key, value in values
+                ]
+                await asyncio.gather(*delivered)
+                return
+            except KafkaError as e:
+                if not e.retriable or attempt == PUBLISH_ATTEMPTS - 1:
+                    raise
+                log.warning("publishing failed (%s): trying again", e)
+                await asyncio.sleep(0.5 * 2**attempt)
 
 
 def _dumps(message: dict) -> str:
