@@ -67,9 +67,8 @@ class HarnessService:
             tool_prefix=f"{prefix}.tools",
         )
         self.runs: dict[str, Run] = {}
-        self.votes: dict[
-            str, Vote
-        ] = {}  # runs with a verifier (`verify.py`), their samples in runs
+        # runs with a verifier (`verify.py`); their samples are in `runs`
+        self.votes: dict[str, Vote] = {}
         self._producer: EventProducer | None = None
         self._states: Changelog | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -192,7 +191,11 @@ class HarnessService:
                 request.verifier.type,
                 len(samples),
             )
-            await self._publish(out.records)  # (then the states: a stop between starts again)
+            try:  # (then the states: stopped in between, it starts them again, as they were)
+                await self._publish(out.records)
+            except KafkaError as e:
+                log.error("run %s: could not start its samples (%s): it ends", vote.run_id, e)
+                await self._publish(vote.fail(f"could not publish: {e}", now).records)
             for sample in samples:
                 await self._keep(sample)
             await self._keep(vote)
