@@ -71,6 +71,7 @@ from sluice.engine import EngineConfig, tool_formats
 
 if TYPE_CHECKING:
     from sluice.engine import LLMEngine
+    from sluice.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -409,20 +410,25 @@ class Pipeline:
             LLMEngine, self.config.model, self.config.engine
         )
         engine.fault_hook = fault_hook_from_env(engine.tokenizer)  # tests only
-        self._choose_tool_format(engine)
+        self._choose_tool_format(engine.tokenizer, engine)
         if engine.other_cpus:
             # The engine has CPUs of its own: this loop (and the threads it starts) keeps off them
             bind_this_thread(engine.other_cpus)
         return engine
 
-    def _choose_tool_format(self, engine: LLMEngine) -> None:
-        tokenizer = engine.tokenizer
+    def _choose_tool_format(
+        self, tokenizer: Tokenizer | None, engine: LLMEngine | None = None
+    ) -> None:
+        """The tokenizer's tool-call format (and the engine's provenance, which names it)."""
         if tokenizer is None:
             return
         name = self.config.tool_call_parser
         if name is not None:
             tokenizer.tool_format = tool_formats.named(name)(tokenizer)
-            engine.provenance = replace(engine.provenance, tool_format=tokenizer.tool_format.name)
+            if engine is not None:
+                engine.provenance = replace(
+                    engine.provenance, tool_format=tokenizer.tool_format.name
+                )
         how = "--tool-call-parser" if name else "chosen from the model's chat template"
         if not tool_formats.template_renders_tools(tokenizer.chat_template):
             how += (

@@ -116,7 +116,9 @@ def test_names_the_tool_call_format_and_a_parser_chosen_over_the_templates(engin
     assert engine.provenance.tool_format == engine.tokenizer.tool_format.name == "hermes"
     was = engine.tokenizer.tool_format, engine.provenance
     try:
-        Pipeline(PipelineConfig(tool_call_parser="llama3_json"))._choose_tool_format(engine)
+        Pipeline(PipelineConfig(tool_call_parser="llama3_json"))._choose_tool_format(
+            engine.tokenizer, engine
+        )
         assert engine.provenance.tool_format == engine.tokenizer.tool_format.name == "llama3_json"
     finally:
         engine.tokenizer.tool_format, engine.provenance = was
