@@ -61,6 +61,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="run N samples and answer with the one --scorer scores highest",
     )
+    verify.add_argument(
+        "--judge",
+        metavar="TOOL",
+        help='put each answer to TOOL ({question, answer}): it passes on true or {"pass": true}; '
+        "otherwise the model hears its feedback and answers again",
+    )
+    ask.add_argument(
+        "--max-answers",
+        type=int,
+        metavar="N",
+        help="--judge: the most answers the judge sees (default 3)",
+    )
     ask.add_argument("--scorer", metavar="TOOL", help="--best-of: the tool that scores an answer")
     ask.add_argument(
         "--answer-pattern",
@@ -115,10 +127,19 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
             body["verifier"]["answer_pattern"] = args.answer_pattern
     elif args.best_of is not None:
         body["verifier"] = {"type": "best-of-n", "n": args.best_of, "scorer": args.scorer}
-    if (args.scorer and args.best_of is None) or (
-        args.answer_pattern and args.self_consistency is None
+    elif args.judge is not None:
+        body["verifier"] = {"type": "tool", "judge": args.judge}
+        if args.max_answers is not None:
+            body["verifier"]["n"] = args.max_answers
+    if (
+        (args.scorer and args.best_of is None)
+        or (args.answer_pattern and args.self_consistency is None)
+        or (args.max_answers is not None and args.judge is None)
     ):
-        raise ClientError("--scorer goes with --best-of, --answer-pattern with --self-consistency")
+        raise ClientError(
+            "--scorer goes with --best-of, --answer-pattern with --self-consistency, "
+            "--max-answers with --judge"
+        )
     return body
 
 

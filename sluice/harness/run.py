@@ -5,7 +5,9 @@ service (`service.py`) publishes that, then keeps the state, then commits the in
 The loop: model turn → its tool calls → their results → the next turn (the conversation so far,
 the results as ``tool`` messages) → ... → a turn that calls nothing is the answer. Budgets (turns,
 calls, tokens, seconds) and failing tools (several in a row) end it early, each with its own stop
-reason. A failed call is shown to the model as an error, so it may correct itself.
+reason. A failed call is shown to the model as an error, so it may correct itself. With a judge
+(``verifier.type == "tool"``) an answer is first put to the judging tool: accepted, it ends the
+run; rejected, the model is shown why and answers again, up to ``verifier.n`` answers in all.
 
 Everything a run publishes is named by the run and its place in it: model turn ``k`` is request
 ``RUN.mk``, call ``i`` of turn ``k`` has idempotency key ``RUN/k/i``, events are numbered. A
@@ -16,6 +18,7 @@ readers (by seq) each take once.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,7 +57,7 @@ class RunState(BaseModel):
     started_at: float  # unix seconds
     sample_of: str | None = None  # a verifier's sample: the run it is a sample of (`verify.py`)
     step: int = 0
-    phase: Literal["model", "tools", "done"] = "model"
+    phase: Literal["model", "tools", "judging", "done"] = "model"
     messages: list[dict[str, Any]] = Field(default_factory=list)
     waiting_model: str | None = None  # the request id of the turn it waits for
     calls: dict[str, dict[str, Any]] = Field(default_factory=dict)  # key -> call, this turn's
@@ -68,6 +71,7 @@ class RunState(BaseModel):
     provenance: dict[str, Any] | None = None  # of the last model turn
     turns: int = 0  # model turns taken (their final events read)
     turn_cut: bool = False  # the turn under way was given less than max_tokens: what was left
+    judged: int = 0  # answers put to the judge (a tool verifier's)
     stop_reason: StopReason | None = None
     error: str | None = None
     ended_at: float = 0.0
@@ -135,6 +139,8 @@ class Run:
             # a turn cut by its token limit is not an answer (it may be a call half written)
             if event.finish_reason == "length":
                 self._finish(out, "budget" if s.turn_cut else "max_tokens")
+            elif s.request.verifier is not None and s.request.verifier.judge is not None:
+                self._judge(out)
             else:
                 self._finish(out, "answer")
         elif s.tool_calls + len(calls) > s.request.max_tool_calls:
@@ -145,6 +151,11 @@ class Run:
 
     def on_tool_result(self, result: ToolResultMessage, now: float) -> Outbox:
         out, s, self.now = Outbox(), self.state, now
+        if s.phase == "judging" and result.key in s.calls and result.key not in s.results:
+            s.results[result.key] = result.model_dump()
+            self._event(out, "tool_result", result=s.results[result.key])
+            self._verdict(out, result, now)
+            return out
         if s.phase != "tools" or result.key not in s.calls or result.key in s.results:
             return out  # (another run's, or a copy of one taken)
         s.results[result.key] = result.model_dump()
@@ -257,6 +268,51 @@ class Run:
         else:
             self._model_turn(out)
 
+    def _judge(self, out: Outbox) -> None:
+        """Put the answer to the judging tool (under key ``RUN/judge/k``, the k-th answer)."""
+        s, r = self.state, self.state.request
+        assert r.verifier is not None and r.verifier.judge is not None
+        key = f"{r.run_id}/judge/{s.judged}"
+        sent: dict[str, Any] = {
+            "key": key,
+            "request_id": r.run_id,
+            "call_id": f"judge_{s.judged}",
+            "name": r.verifier.judge,
+            "arguments": json.dumps(
+                {"question": question_of(r), "answer": s.last_text}, ensure_ascii=False
+            ),
+        }
+        s.judged += 1
+        s.phase, s.calls, s.results = "judging", {key: sent}, {}
+        self._event(out, "tool_call", call=sent)
+        call = ToolCallMessage(
+            **sent, reply_topic=self.topics.tool_results, deadline=s.started_at + r.timeout_s
+        )
+        out.add(f"{self.topics.tool_prefix}.{r.verifier.judge}", key, call)
+
+    def _verdict(self, out: Outbox, result: ToolResultMessage, now: float) -> None:
+        s, r = self.state, self.state.request
+        assert r.verifier is not None
+        if not result.ok:  # (the model cannot mend a judge that fails)
+            why = f"the judge {result.name} failed ({result.error}): {result.content}"
+            self._finish(out, "tool_failures", error=why)
+            return
+        passed, feedback = verdict_of(result.content)
+        if passed:
+            self._finish(out, "answer")
+            return
+        s.step += 1
+        if s.judged >= r.verifier.n:
+            self._finish(out, "rejected", error=f"the judge rejected {s.judged} answers")
+        elif s.step >= r.max_steps:
+            self._finish(out, "max_steps")
+        elif now - s.started_at > r.timeout_s:
+            self._finish(out, "timeout")
+        else:
+            s.messages.append({"role": "assistant", "content": s.last_text})
+            s.messages.append({"role": "user", "content": REJECTED.format(feedback=feedback)})
+            self._model_turn(out)
+
     def _event(self, out: Outbox, kind: str, **fields: Any) -> None:
         s = self.state
         event = HarnessStep(run_id=self.run_id, seq=s.seq, step=s.step, kind=kind, **fields)
@@ -281,7 +337,7 @@ class Run:
             answer=s.last_text,
             stop_reason=s.stop_reason,
             steps=s.turns,
-            tool_calls=s.tool_calls,
+            tool_calls=s.tool_calls + s.judged,  # (the judge's calls too)
             completion_tokens=s.completion_tokens,
             prompt_tokens=s.prompt_tokens,
             seconds=round(max(0.0, s.ended_at - s.started_at), 3),
@@ -306,6 +362,30 @@ def _traced(event: HarnessStep) -> dict[str, Any]:
     if result and len(result.get("content", "")) > TRACED_CHARS:
         entry["result"] = {**result, "content": result["content"][:TRACED_CHARS] + " [...]"}
     return entry
+
+
+# What the model is told of a rejected answer, before it answers again.
+REJECTED = "Your answer was checked, and it did not pass:\n{feedback}\nCorrect it and answer again."
+
+
+def question_of(request: HarnessRequest) -> str | None:
+    """What a run's answers answer: its last user message."""
+    return next((m.content for m in reversed(request.messages) if m.role == "user"), None)
+
+
+def verdict_of(content: str) -> tuple[bool, str]:
+    """A judge's result as (passed, what the model is shown): it passes when it is JSON true or
+    an object with "pass": true; otherwise the model is shown its "feedback" or the whole of it."""
+    try:
+        said = json.loads(content)
+    except ValueError:
+        return False, content
+    if said is True:
+        return True, content
+    if isinstance(said, dict):
+        feedback = said.get("feedback")
+        return said.get("pass") is True, feedback if isinstance(feedback, str) else content
+    return False, content
 
 
 def _choice(request: HarnessRequest) -> Any:

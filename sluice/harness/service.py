@@ -181,7 +181,7 @@ class HarnessService:
             if known.done:  # its asker may have missed the answer: it is sent again, as it was
                 await self._publish([(self.topics.events, known.run_id, known.final_event())])
             return
-        if request.verifier is not None:
+        if request.verifier is not None and request.verifier.samples:
             vote, samples, out = Vote.start(request, self.topics, now)
             self.votes[vote.run_id] = vote
             self.runs |= {sample.run_id: sample for sample in samples}

@@ -1,7 +1,7 @@
-"""A run with a verifier (`HarnessRequest.verifier`) as a state machine with no I/O, as `run.py`'s
-runs are: it starts `n` samples, each a whole run of its own (run ids ``RUN.s0``, ``RUN.s1``, ...:
-their own turns, calls, limits, events and final; seeds ``seed + i``), and once every sample has
-ended it chooses the answer:
+"""A run with a sampling verifier (`HarnessRequest.verifier`) as a state machine with no I/O, as
+`run.py`'s runs are: it starts `n` samples, each a whole run of its own (run ids ``RUN.s0``,
+``RUN.s1``, ...: their own turns, calls, limits, events and final; seeds ``seed + i``), and once
+every sample has ended it chooses the answer:
 
 * **self-consistency**: the answer most samples give (each votes with the last match of
   `answer_pattern` in its answer, or with its whole answer, case and spacing aside; a tie goes to
@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sluice.harness.run import Outbox, Run, Topics
+from sluice.harness.run import Outbox, Run, Topics, question_of
 from sluice.schemas.harness import HarnessFinal, HarnessRequest, HarnessStep, StopReason
 from sluice.schemas.tool_messages import ToolCallMessage, ToolResultMessage
 
@@ -158,8 +158,7 @@ class Vote:
             self._choose(out)
             return
         s.phase = "scoring"
-        # (the last user message: what the answers answer)
-        question = next((m.content for m in reversed(r.messages) if m.role == "user"), None)
+        question = question_of(r)
         answered = self._answered()
         for i, sample in enumerate(s.samples):
             if sample not in answered:

@@ -26,21 +26,30 @@ StopReason = Literal[
     "budget",
     "timeout",
     "tool_failures",
+    "rejected",
     "error",
 ]
 
 
 class Verifier(BaseModel):
-    """How a run's answer is chosen among several: each sample is a whole run of its own (its
-    turns, calls and limits), sampled with its own seed."""
+    """How a run's answer is checked or chosen: a judging tool that accepts it or sends it back
+    with its reasons (``tool``), or several samples, each a whole run of its own (its turns, calls
+    and limits, its own seed), of which one is chosen (``self-consistency``, ``best-of-n``)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
-    type: Literal["self-consistency", "best-of-n"] = Field(
-        description="self-consistency: the answer most samples give; best-of-n: the answer the "
+    type: Literal["tool", "self-consistency", "best-of-n"] = Field(
+        description="tool: the judge accepts the answer, or the model hears why not and answers "
+        "again; self-consistency: the answer most samples give; best-of-n: the answer the "
         "scoring tool scores highest."
     )
-    n: int = Field(3, ge=2, le=16, description="Samples: whole runs.")
+    n: int = Field(
+        3,
+        ge=2,
+        le=16,
+        description="Samples (whole runs); tool: the most answers the judge sees (the first and "
+        "its corrections).",
+    )
     answer_pattern: str | None = Field(
         None,
         max_length=200,
@@ -53,13 +62,28 @@ class Verifier(BaseModel):
         description="best-of-n: a tool served on PREFIX.tools.<scorer>, called with the question "
         "and an answer ({question, answer}); its result is the score, a number.",
     )
+    judge: str | None = Field(
+        None,
+        pattern=FUNCTION_NAME,
+        description="tool: a tool served on PREFIX.tools.<judge>, called with the question and "
+        'the answer ({question, answer}); its result passes when it is JSON true or {"pass": '
+        'true}; otherwise the model is shown its "feedback" (or the whole result) and answers '
+        "again.",
+    )
+
+    @property
+    def samples(self) -> bool:
+        """Whether it runs several samples (a tool verifier judges the run's own answers)."""
+        return self.type != "tool"
 
     @model_validator(mode="after")
     def _fits(self) -> Verifier:
+        if (self.type == "tool") != (self.judge is not None):
+            raise ValueError("a judge is the tool verifier's, and it needs one")
         if self.type == "best-of-n" and self.scorer is None:
             raise ValueError("best-of-n needs a scorer (the tool that scores an answer)")
-        if self.type == "self-consistency" and self.scorer is not None:
-            raise ValueError("a scorer is for best-of-n; self-consistency votes")
+        if self.type != "best-of-n" and self.scorer is not None:
+            raise ValueError("a scorer is for best-of-n")
         if self.answer_pattern is not None:
             if self.type != "self-consistency":
                 raise ValueError("answer_pattern is for self-consistency")
@@ -107,7 +131,7 @@ class HarnessRequest(BaseModel):
     @model_validator(mode="after")
     def _tools_fit(self) -> HarnessRequest:
         check_tools(self.tools, self.tool_choice, prompt_is_chat=True)
-        if self.verifier is not None and self.temperature == 0:
+        if self.verifier is not None and self.verifier.samples and self.temperature == 0:
             raise ValueError(
                 "a verifier samples: give a temperature above 0 (else every sample is the same)"
             )

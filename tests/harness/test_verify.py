@@ -165,6 +165,10 @@ def test_sluice_agent_run_asks_for_a_verifier_and_says_what_it_chose():
     assert body["verifier"] == {"type": "best-of-n", "n": 2, "scorer": "judge"}
     with pytest.raises(ClientError, match="--scorer goes with --best-of"):
         agent.request_body(parser.parse_args([*ask, "--scorer", "judge"]))
+    body = agent.request_body(parser.parse_args([*ask, "--judge", "check", "--max-answers", "4"]))
+    assert body["verifier"] == {"type": "tool", "judge": "check", "n": 4}
+    with pytest.raises(ClientError, match="--max-answers with --judge"):
+        agent.request_body(parser.parse_args([*ask, "--max-answers", "4"]))
     assert agent._sample("r.s12", "r") and not agent._sample("r.s", "r")
     assert not agent._sample("r.sx", "r") and not agent._sample("q.s1", "r")
 

@@ -6,7 +6,8 @@ and answer, one final, every event with one content, and every tool call run onc
 stopped while running a tool that is not idempotent answers `interrupted` instead:
 tests/integration/test_tool_worker.py). The run replays identically from its record (`sluice
 replay`). Beside them, a run of a tool that always fails ends on its failures and stalls nothing,
-and a best-of-n run answers with its best-scored sample's answer."""
+a best-of-n run answers with its best-scored sample's answer, and a run with a judge answers again
+when the judge rejects its first answer."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from sluice.testing.pipeline_harness import PipelineProcess, new_prefix, publish
 pytestmark = pytest.mark.integration
 
 TOOLS_MODULE = '''
-import os, time
+import json, os, time
 from sluice.tools import tool
 
 @tool
@@ -50,6 +51,17 @@ def poison(what: str) -> str:
 def score(question: str, answer: str) -> str:
     """Score an answer: here, the longer the better."""
     return str(len(answer))
+
+@tool
+def check(question: str, answer: str) -> str:
+    """Judge an answer: here, the first is rejected and the next accepted."""
+    with open(os.environ["JUDGED_FILE"], "a+") as f:
+        f.seek(0)
+        first = not f.read()
+        f.write(answer.replace("\n", " ") + "\n")
+    if first:
+        return json.dumps({"pass": False, "feedback": "Say it in fewer words."})
+    return "true"
 '''
 VISIT = {
     "type": "function",
@@ -188,13 +200,18 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     started.touch()
     counted.touch()
     kafka = ["--bootstrap-servers", bootstrap_servers, "--topic-prefix", prefix]
-    tool_env = {"STARTED_FILE": str(started), "COUNT_FILE": str(counted)}
+    judged = tmp_path / "judged.txt"
+    tool_env = {
+        "STARTED_FILE": str(started),
+        "COUNT_FILE": str(counted),
+        "JUDGED_FILE": str(judged),
+    }
 
     def new_pipeline() -> PipelineProcess:
         return PipelineProcess(bootstrap_servers, None, prefix, tmp_path, "--deterministic")
 
     def new_worker() -> Service:
-        serving = ["toolmod:visit", "toolmod:poison", "toolmod:score"]
+        serving = ["toolmod:visit", "toolmod:poison", "toolmod:score", "toolmod:check"]
         return Service(tmp_path, "tools", "serve", *serving, *kafka, env=tool_env)
 
     def new_harness() -> Service:
@@ -254,16 +271,22 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
             "max_tokens": 24,
             "verifier": {"type": "best-of-n", "n": 2, "scorer": "score"},
         }
+        # and a run whose first answer its judge rejects: the model hears why and answers again
+        judged_run = {**best_of, "run_id": f"{calm}-judged", "temperature": 0.0}
+        judged_run["verifier"] = {"type": "tool", "judge": "check"}
         await publish(
             bootstrap_servers,
             f"{prefix}.harness",
-            [(poisoned["run_id"].encode(), json.dumps(poisoned).encode())]
-            + [(best_of["run_id"].encode(), json.dumps(best_of).encode())],
+            [
+                (r["run_id"].encode(), json.dumps(r).encode())
+                for r in (poisoned, best_of, judged_run)
+            ],
         )
         printed_calm = await printed(ask(calm))
         poison_events = await until(poisoned["run_id"], finals)
         best_events = await until(best_of["run_id"], finals)
         samples = [await until(f"{best_of['run_id']}.s{i}", finals) for i in range(2)]
+        judged_events = await until(judged_run["run_id"], finals)
         before = len(lines(counted))
         assert before >= 1 and lines(started) == lines(counted)
 
@@ -313,6 +336,14 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     assert best["stop_reason"] == "answer" and best["answer"] == max(
         (e["answer"] for e in ends if e["stop_reason"] == "answer"), key=len
     )
+    (judged_final,) = [e for e in judged_events if e["type"] == "harness_final"]
+    turns = [e for e in judged_events if e.get("kind") == "model"]
+    verdicts = [e["result"]["content"] for e in judged_events if e.get("kind") == "tool_result"]
+    assert judged_final["stop_reason"] == "answer", json.dumps(judged_events)
+    assert len(turns) == judged_final["steps"] == 2 and judged_final["tool_calls"] == 2
+    assert "fewer words" in verdicts[0] and verdicts[1] == "true"
+    assert judged_final["answer"] == turns[1]["text"]
+    assert lines(judged) == [t["text"].replace("\n", " ") for t in turns]
     (poison_final,) = [e for e in poison_events if e["type"] == "harness_final"]
     assert poison_final["stop_reason"] == "tool_failures", json.dumps(poison_events)
     assert poison_final["tool_calls"] == 1
