@@ -2,7 +2,8 @@
 
 ``sluice agent serve`` runs the harness service (`sluice/harness/service.py`) beside a pipeline
 (`sluice run`) and tool workers (`sluice tools serve`). ``sluice agent run QUESTION --python``
-asks it for a run and prints the run's steps as they happen, then its answer.
+asks it for a run and prints the run's steps as they happen, then its answer. ``sluice agent
+approve RUN_ID KEY`` (or ``--deny``) decides on a call of a tool the run marked `needs_approval`.
 """
 
 from __future__ import annotations
@@ -79,11 +80,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="REGEX",
         help="--self-consistency: samples vote with its last match in their answers",
     )
+    ask.add_argument(
+        "--needs-approval",
+        action="append",
+        metavar="TOOL",
+        help="calls of TOOL wait for `sluice agent approve` (repeatable)",
+    )
+    ask.add_argument(
+        "--approval-timeout-s",
+        type=float,
+        help="a call not approved this long after it was made is denied (default 300)",
+    )
     ask.add_argument("--run-id", help="default: a fresh uuid4 hex")
     ask.add_argument("--json", action="store_true", help="print each event as a JSON line")
     ask.add_argument("--wait", type=float, default=900, help="give up after this many seconds")
     add_kafka_arguments(ask)
     ask.set_defaults(func=run_ask)
+
+    approve = actions.add_parser(
+        "approve", help="approve (or --deny) a call that waits for approval"
+    )
+    approve.add_argument("run_id")
+    approve.add_argument("key", help="the call's key (its awaiting_approval step shows it)")
+    approve.add_argument("--deny", action="store_true", help="deny it instead")
+    approve.add_argument("--reason", help="with --deny: told to the model")
+    approve.add_argument("--by", help="who decides (kept in the run's record)")
+    add_kafka_arguments(approve)
+    approve.set_defaults(func=run_approve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -118,6 +141,8 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
         "temperature",
         "seed",
         "timeout_s",
+        "needs_approval",
+        "approval_timeout_s",
     ):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
@@ -145,6 +170,45 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_ask(args: argparse.Namespace) -> int:
     return run_async(ask(args), "agent run")
+
+
+def run_approve(args: argparse.Namespace) -> int:
+    return run_async(decide(args), "agent approve")
+
+
+async def decide(args: argparse.Namespace) -> int:
+    from aiokafka import AIOKafkaProducer
+    from pydantic import ValidationError
+
+    from sluice.connectors.kafka_security import kafka_client_options
+    from sluice.connectors.topics import ensure_topics
+    from sluice.harness.service import PARTITIONS, harness_topics
+    from sluice.schemas.harness import Approval
+
+    try:
+        approval = Approval(
+            run_id=args.run_id,
+            key=args.key,
+            approved=not args.deny,
+            reason=args.reason,
+            by=args.by,
+        )
+    except ValidationError as e:
+        raise ClientError(f"not a valid approval: {e.errors()[0]['msg']}") from None
+    bootstrap = bootstrap_from_args(args)
+    topic = harness_topics(args.topic_prefix)["approvals"]
+    await ensure_topics(bootstrap, {topic: PARTITIONS})
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, enable_idempotence=True, **kafka_client_options()
+    )
+    await producer.start()
+    try:
+        value = approval.model_dump_json(exclude_none=True).encode()
+        await producer.send_and_wait(topic, key=approval.run_id.encode(), value=value)
+    finally:
+        await producer.stop()
+    print(f"{'denied' if args.deny else 'approved'} {approval.key}", file=sys.stderr)
+    return EXIT_OK
 
 
 async def ask(args: argparse.Namespace) -> int:
@@ -253,6 +317,19 @@ def _line(event: dict[str, Any]) -> str:
     if event["kind"] == "tool_call":
         call = event["call"]
         return f"[call {call['key']}] {call['name']}({call['arguments']})"
+    if event["kind"] == "awaiting_approval":
+        call = event["call"]
+        return (
+            f"[awaiting approval {call['key']}] sluice agent approve {event['run_id']} "
+            f"{call['key']}   (or --deny --reason ...)"
+        )
+    if event["kind"] == "approval":
+        decided = event["approval"]
+        said = "approved" if decided["approved"] else "denied"
+        by = f" by {decided['by']}" if decided.get("by") else ""
+        return f"[{said} {decided['key']}{by}]" + (
+            f" {decided['reason']}" if decided.get("reason") else ""
+        )
     result = event["result"]
     status = "ok" if result["ok"] else f"error {result.get('error')}"
     return f"[result {result['key']}] {status}: {result['content'].strip()[:500]}"

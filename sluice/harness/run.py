@@ -5,7 +5,9 @@ service (`service.py`) publishes that, then keeps the state, then commits the in
 The loop: model turn → its tool calls → their results → the next turn (the conversation so far,
 the results as ``tool`` messages) → ... → a turn that calls nothing is the answer. Budgets (turns,
 calls, tokens, seconds) and failing tools (several in a row) end it early, each with its own stop
-reason. A failed call is shown to the model as an error, so it may correct itself. With a judge
+reason. A failed call is shown to the model as an error, so it may correct itself. A call of a
+tool marked `needs_approval` waits for an `Approval`: approved, it is published; denied (or not
+decided within ``approval_timeout_s``), the model is told so as of a failed call. With a judge
 (``verifier.type == "tool"``) an answer is first put to the judging tool: accepted, it ends the
 run; rejected, the model is shown why and answers again, up to ``verifier.n`` answers in all.
 
@@ -25,8 +27,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sluice.schemas.events import ErrorEvent, FinalEvent
-from sluice.schemas.harness import HarnessFinal, HarnessRequest, HarnessStep, StopReason
-from sluice.schemas.tool_messages import ToolCallMessage, ToolResultMessage
+from sluice.schemas.harness import (
+    Approval,
+    HarnessFinal,
+    HarnessRequest,
+    HarnessStep,
+    StopReason,
+)
+from sluice.schemas.tool_messages import ToolCallMessage, ToolFailure, ToolResultMessage
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class RunState(BaseModel):
     turns: int = 0  # model turns taken (their final events read)
     turn_cut: bool = False  # the turn under way was given less than max_tokens: what was left
     judged: int = 0  # answers put to the judge (a tool verifier's)
+    awaiting: dict[str, float] = Field(default_factory=dict)  # key -> approval expiry (unix s)
     stop_reason: StopReason | None = None
     error: str | None = None
     ended_at: float = 0.0
@@ -164,6 +173,23 @@ class Run:
             self._next_turn(out, now)
         return out
 
+    def on_approval(self, approval: Approval, now: float) -> Outbox:
+        out, s, self.now = Outbox(), self.state, now
+        if s.phase != "tools" or approval.key not in s.awaiting:
+            return out  # (another turn's, a second decision, or a copy of one taken)
+        del s.awaiting[approval.key]
+        self._event(
+            out, "approval", approval=approval.model_dump(exclude={"schema_version", "type"})
+        )
+        if approval.approved:
+            self._publish_call(out, self._sent(approval.key, s.calls[approval.key]))
+            return out
+        why = "the call was not approved" + (f": {approval.reason}" if approval.reason else "")
+        self._refused(out, approval.key, "denied", why)
+        if len(s.results) == len(s.calls):
+            self._next_turn(out, now)
+        return out
+
     def fail(self, error: str, now: float) -> Outbox:
         """End the run with an error (a fault while moving it on)."""
         out, self.now = Outbox(), now
@@ -172,9 +198,16 @@ class Run:
         return out
 
     def on_clock(self, now: float) -> Outbox:
-        out, self.now = Outbox(), now
-        if not self.done and now - self.state.started_at > self.state.request.timeout_s:
+        out, s, self.now = Outbox(), self.state, now
+        if not self.done and now - s.started_at > s.request.timeout_s:
             self._finish(out, "timeout")
+            return out
+        expired = [key for key, until in s.awaiting.items() if now > until]
+        for key in expired:
+            del s.awaiting[key]
+            self._refused(out, key, "denied", "approval_expired: no decision came in time")
+        if expired and len(s.results) == len(s.calls):
+            self._next_turn(out, now)
         return out
 
     # -- moves -------------------------------------------------------------------------------
@@ -202,6 +235,7 @@ class Run:
         if r.seed is not None:
             body["seed"] = r.seed
         s.phase, s.waiting_model, s.calls, s.results = "model", request_id, {}, {}
+        s.awaiting = {}
         out.add(self.topics.requests, request_id, body)
 
     def _call_tools(self, out: Outbox, calls: list[dict[str, Any]], now: float) -> None:
@@ -216,36 +250,53 @@ class Run:
             s.calls[key] = call
             s.tool_calls += 1
             name = call["function"]["name"]
-            sent = {
-                "key": key,
-                "request_id": r.run_id,
-                "call_id": call["id"],
-                "name": name,
-                "arguments": call["function"]["arguments"],
-            }
+            sent = self._sent(key, call)
             self._event(out, "tool_call", call=sent)
-            if name in known:
-                message = ToolCallMessage(
-                    **sent,
-                    reply_topic=self.topics.tool_results,
-                    deadline=s.started_at + r.timeout_s,
-                )
-                out.add(f"{self.topics.tool_prefix}.{name}", key, message)
-            else:  # no worker serves it (it may not even be a name): the model hears so at once
-                answer = ToolResultMessage(
-                    key=key,
-                    request_id=r.run_id,
-                    call_id=call["id"],
-                    name=name,
-                    ok=False,
-                    content=f"no tool named {name!r} (the tools: {', '.join(sorted(known))})",
-                    error="unknown_tool",
-                    worker="harness",
-                )
-                s.results[key] = answer.model_dump()
-                self._event(out, "tool_result", result=s.results[key])
+            if name not in known:  # no worker serves it (it may not even be a name): said at once
+                why = f"no tool named {name!r} (the tools: {', '.join(sorted(known))})"
+                self._refused(out, key, "unknown_tool", why)
+            elif name in r.needs_approval:  # published once approved (`on_approval`)
+                s.awaiting[key] = now + r.approval_timeout_s
+                self._event(out, "awaiting_approval", call=sent)
+            else:
+                self._publish_call(out, sent)
         if len(s.results) == len(s.calls):
             self._next_turn(out, now)
+
+    def _sent(self, key: str, call: dict[str, Any]) -> dict[str, Any]:
+        """A call as its tool_call event shows it (and its `ToolCallMessage` carries it)."""
+        return {
+            "key": key,
+            "request_id": self.run_id,
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+        }
+
+    def _publish_call(self, out: Outbox, sent: dict[str, Any]) -> None:
+        s = self.state
+        message = ToolCallMessage(
+            **sent,
+            reply_topic=self.topics.tool_results,
+            deadline=s.started_at + s.request.timeout_s,
+        )
+        out.add(f"{self.topics.tool_prefix}.{sent['name']}", sent["key"], message)
+
+    def _refused(self, out: Outbox, key: str, error: ToolFailure, why: str) -> None:
+        """A call answered by the harness itself, as failed: the model is told why."""
+        s, call = self.state, self.state.calls[key]
+        answer = ToolResultMessage(
+            key=key,
+            request_id=self.run_id,
+            call_id=call["id"],
+            name=call["function"]["name"],
+            ok=False,
+            content=why,
+            error=error,
+            worker="harness",
+        )
+        s.results[key] = answer.model_dump()
+        self._event(out, "tool_result", result=s.results[key])
 
     def _next_turn(self, out: Outbox, now: float) -> None:
         s, r = self.state, self.state.request
@@ -285,10 +336,7 @@ class Run:
         s.judged += 1
         s.phase, s.calls, s.results = "judging", {key: sent}, {}
         self._event(out, "tool_call", call=sent)
-        call = ToolCallMessage(
-            **sent, reply_topic=self.topics.tool_results, deadline=s.started_at + r.timeout_s
-        )
-        out.add(f"{self.topics.tool_prefix}.{r.verifier.judge}", key, call)
+        self._publish_call(out, sent)
 
     def _verdict(self, out: Outbox, result: ToolResultMessage, now: float) -> None:
         s, r = self.state, self.state.request

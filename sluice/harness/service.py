@@ -1,5 +1,6 @@
 """The harness service (``sluice agent serve``): it reads run requests from ``PREFIX.harness``, the
-model turns' events from ``PREFIX.replies.harness`` and tool results from ``PREFIX.tool-results``,
+model turns' events from ``PREFIX.replies.harness``, tool results from ``PREFIX.tool-results``
+and decisions on calls that need approval from ``PREFIX.harness-approvals``,
 moves each run on (`run.py`), and publishes what that says: model turns to ``PREFIX.requests``,
 tool calls to ``PREFIX.tools.<name>``, the run's events to ``PREFIX.harness-events``.
 
@@ -34,7 +35,7 @@ from sluice.harness.run import Outbox, Run, RunState, Topics
 from sluice.harness.verify import Vote, VoteState
 from sluice.schemas import decode_event
 from sluice.schemas.events import ErrorEvent, FinalEvent
-from sluice.schemas.harness import HarnessFinal, HarnessRequest
+from sluice.schemas.harness import Approval, HarnessFinal, HarnessRequest
 from sluice.schemas.parse import error_from_validation
 from sluice.schemas.tool_messages import ToolResultMessage
 
@@ -50,6 +51,7 @@ def harness_topics(prefix: str) -> dict[str, str]:
         "events": f"{prefix}.harness-events",
         "replies": f"{prefix}.replies.harness",
         "tool_results": f"{prefix}.tool-results",
+        "approvals": f"{prefix}.harness-approvals",
         "state": f"{prefix}.harness-state",
     }
 
@@ -77,8 +79,11 @@ class HarnessService:
         n = self.names
         await ensure_topics(
             self.bootstrap_servers,
-            {t: PARTITIONS for t in (n["requests"], n["events"], n["replies"], n["tool_results"])}
-            | {self.topics.requests: PARTITIONS},
+            {
+                t: PARTITIONS
+                for t in (n["requests"], n["events"], n["replies"], n["tool_results"])
+                + (n["approvals"], self.topics.requests)
+            },
         )
         await ensure_topics(self.bootstrap_servers, {n["state"]: PARTITIONS}, config=TOPIC_CONFIG)
         self._producer = EventProducer(
@@ -106,7 +111,7 @@ class HarnessService:
             **kafka_client_options(),
         )
         await self._consumer.start()
-        inputs = (n["requests"], n["replies"], n["tool_results"])
+        inputs = (n["requests"], n["replies"], n["tool_results"], n["approvals"])
         partitions = [
             TopicPartition(topic, p)
             for topic in inputs
@@ -243,6 +248,16 @@ class HarnessService:
             if run is None:
                 return None, None
             return run, lambda now: run.on_model_event(event, now)
+        if topic == self.names["approvals"]:
+            try:
+                approval = Approval.model_validate_json(raw or b"")
+            except ValidationError as e:
+                log.error("not an approval, skipped: %s", e.errors()[0].get("msg"))
+                return None, None
+            approved = self.runs.get(approval.run_id)
+            if approved is None:
+                return None, None
+            return approved, lambda now: approved.on_approval(approval, now)
         try:
             result = ToolResultMessage.model_validate_json(raw or b"")
         except ValidationError:

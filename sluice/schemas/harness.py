@@ -126,16 +126,49 @@ class HarnessRequest(BaseModel):
     verifier: Verifier | None = Field(
         None, description="Sample several runs and choose the answer (default: one run)."
     )
+    needs_approval: list[Annotated[str, Field(pattern=FUNCTION_NAME)]] = Field(
+        default_factory=list,
+        max_length=MAX_TOOLS,
+        description="Tools whose calls wait for an `Approval` on PREFIX.harness-approvals.",
+    )
+    approval_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A call not approved this long after it was made is denied (approval_expired).",
+    )
     metadata: dict[str, JsonValue] | None = None
 
     @model_validator(mode="after")
     def _tools_fit(self) -> HarnessRequest:
         check_tools(self.tools, self.tool_choice, prompt_is_chat=True)
+        unknown = set(self.needs_approval) - {t.function.name for t in self.tools}
+        if unknown:
+            raise ValueError(
+                f"needs_approval names no tool of the run: {', '.join(sorted(unknown))}"
+            )
         if self.verifier is not None and self.verifier.samples and self.temperature == 0:
             raise ValueError(
                 "a verifier samples: give a temperature above 0 (else every sample is the same)"
             )
         return self
+
+
+class Approval(BaseModel):
+    """A decision on a call of a tool marked `needs_approval`, on ``PREFIX.harness-approvals``
+    (key: the run id). The first decision on a call counts; later ones are dropped."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["approval"] = "approval"
+    run_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    key: str = Field(min_length=1, max_length=256, description="The call's idempotency key.")
+    approved: bool
+    reason: str | None = Field(
+        None, max_length=2000, description="Shown to the model with a denial."
+    )
+    by: str | None = Field(None, max_length=200, description="Who decided (for the record).")
 
 
 class _Event(BaseModel):
@@ -151,11 +184,14 @@ class HarnessStep(_Event):
 
     type: Literal["step"] = "step"
     step: int = Field(ge=0, description="The model turn it belongs to.")
-    kind: Literal["model", "tool_call", "tool_result"]
+    kind: Literal["model", "tool_call", "awaiting_approval", "approval", "tool_result"]
     text: str | None = Field(None, description="model: what the turn said besides its calls.")
     tool_calls: list[dict[str, Any]] | None = Field(None, description="model: the calls made.")
     call: dict[str, Any] | None = Field(None, description="tool_call: the call as published.")
     result: dict[str, Any] | None = Field(None, description="tool_result: the worker's answer.")
+    approval: dict[str, Any] | None = Field(
+        None, description="approval: the decision on a call that awaited one."
+    )
     seed: int | None = Field(None, description="model: the turn's seed (`sluice replay`).")
     provenance: dict[str, Any] | None = Field(
         None, description="model: the engine and settings that served the turn."

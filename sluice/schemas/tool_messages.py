@@ -23,7 +23,9 @@ from .tools import FUNCTION_NAME
 from .version import SCHEMA_VERSION
 
 MAX_KEY_LENGTH = 256
-ToolFailure = Literal["invalid_arguments", "unknown_tool", "failed", "interrupted", "expired"]
+ToolFailure = Literal[
+    "invalid_arguments", "unknown_tool", "failed", "interrupted", "expired", "denied"
+]
 
 
 class ToolCallMessage(BaseModel):

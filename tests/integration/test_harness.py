@@ -6,8 +6,9 @@ and answer, one final, every event with one content, and every tool call run onc
 stopped while running a tool that is not idempotent answers `interrupted` instead:
 tests/integration/test_tool_worker.py). The run replays identically from its record (`sluice
 replay`). Beside them, a run of a tool that always fails ends on its failures and stalls nothing,
-a best-of-n run answers with its best-scored sample's answer, and a run with a judge answers again
-when the judge rejects its first answer."""
+a best-of-n run answers with its best-scored sample's answer, a run with a judge answers again
+when the judge rejects its first answer, and a call that needs approval runs once `sluice agent
+approve` approves it."""
 
 from __future__ import annotations
 
@@ -274,12 +275,14 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         # and a run whose first answer its judge rejects: the model hears why and answers again
         judged_run = {**best_of, "run_id": f"{calm}-judged", "temperature": 0.0}
         judged_run["verifier"] = {"type": "tool", "judge": "check"}
+        # and a run whose call waits for an approval
+        approved_run = {**poisoned, "run_id": f"{calm}-approved", "needs_approval": ["poison"]}
         await publish(
             bootstrap_servers,
             f"{prefix}.harness",
             [
                 (r["run_id"].encode(), json.dumps(r).encode())
-                for r in (poisoned, best_of, judged_run)
+                for r in (poisoned, best_of, judged_run, approved_run)
             ],
         )
         printed_calm = await printed(ask(calm))
@@ -287,6 +290,11 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         best_events = await until(best_of["run_id"], finals)
         samples = [await until(f"{best_of['run_id']}.s{i}", finals) for i in range(2)]
         judged_events = await until(judged_run["run_id"], finals)
+        waiting = await until(approved_run["run_id"], has("awaiting_approval"))
+        (key,) = [e["call"]["key"] for e in waiting if e.get("kind") == "awaiting_approval"]
+        approve = [sys.executable, "-m", "sluice", "agent", "approve", approved_run["run_id"], key]
+        subprocess.run([*approve, "--by", "test", *kafka], check=True, timeout=60)
+        approved_events = await until(approved_run["run_id"], finals)
         before = len(lines(counted))
         assert before >= 1 and lines(started) == lines(counted)
 
@@ -344,6 +352,22 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     assert "fewer words" in verdicts[0] and verdicts[1] == "true"
     assert judged_final["answer"] == turns[1]["text"]
     assert lines(judged) == [t["text"].replace("\n", " ") for t in turns]
+    kinds = [e.get("kind", e["type"]) for e in approved_events]
+    assert kinds == [
+        "model",
+        "tool_call",
+        "awaiting_approval",
+        "approval",
+        "tool_result",
+        "harness_final",
+    ], json.dumps(approved_events)
+    assert approved_events[3]["approval"] == {"run_id": approved_run["run_id"], "key": key} | {
+        "approved": True,
+        "reason": None,
+        "by": "test",
+    }
+    # (run by the worker once approved: the poison tool's own failure, not a denial)
+    assert approved_events[4]["result"]["error"] == "failed"
     (poison_final,) = [e for e in poison_events if e["type"] == "harness_final"]
     assert poison_final["stop_reason"] == "tool_failures", json.dumps(poison_events)
     assert poison_final["tool_calls"] == 1

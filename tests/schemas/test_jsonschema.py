@@ -62,6 +62,7 @@ def test_all_schemas_are_exported_as_plain_json():
         "HarnessRequest",
         "HarnessStep",
         "HarnessFinal",
+        "Approval",
     }
     for name, schema in SCHEMAS.items():
         assert json.loads(json.dumps(schema)) == schema
