@@ -34,6 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     serve = actions.add_parser("serve", help="run the harness service until stopped")
+    serve.add_argument(
+        "--redis-url",
+        help="where runs' sessions live (env REDIS_URL, default redis://127.0.0.1:6379/0)",
+    )
+    serve.add_argument(
+        "--no-sessions", action="store_true", help="no Redis: a run's session_id is not read"
+    )
     add_kafka_arguments(serve)
     serve.set_defaults(func=run_serve)
 
@@ -91,6 +98,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         help="a call not approved this long after it was made is denied (default 300)",
     )
+    ask.add_argument(
+        "--session-id",
+        help="continue this session's conversation (a chat's, or an earlier run's) and add the "
+        "run to it",
+    )
+    ask.add_argument("--tenant", help="the session's tenant")
     ask.add_argument("--run-id", help="default: a fresh uuid4 hex")
     ask.add_argument("--json", action="store_true", help="print each event as a JSON line")
     ask.add_argument("--wait", type=float, default=900, help="give up after this many seconds")
@@ -110,10 +123,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from sluice.connectors.settings import redis_url
     from sluice.harness.service import serve
 
+    sessions = None if args.no_sessions else (args.redis_url or redis_url())
     try:
-        asyncio.run(serve(bootstrap_from_args(args), args.topic_prefix))
+        asyncio.run(serve(bootstrap_from_args(args), args.topic_prefix, sessions))
     except KeyboardInterrupt:
         return EXIT_OK
     return EXIT_OK
@@ -143,6 +158,8 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
         "timeout_s",
         "needs_approval",
         "approval_timeout_s",
+        "session_id",
+        "tenant",
     ):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)

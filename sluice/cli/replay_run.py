@@ -123,7 +123,7 @@ def replay_run(
     }
     seeds = {s["step"]: s.get("seed") for s in recorded.steps if s.get("kind") == "model"}
     now = 0.0  # (the clock is not replayed: a run its clock stopped is compared up to there)
-    run, out = Run.start(recorded.request, _TOPICS, now)
+    run, out = Run.start(recorded.request, _TOPICS, now, history=recorded.final.get("history"))
     compared = turns = 0
     pending = list(out.records)
     while pending:

@@ -64,6 +64,7 @@ class RunState(BaseModel):
     request: HarnessRequest
     started_at: float  # unix seconds
     sample_of: str | None = None  # a verifier's sample: the run it is a sample of (`verify.py`)
+    history: list[dict[str, Any]] = Field(default_factory=list)  # the session's, before the run
     step: int = 0
     phase: Literal["model", "tools", "judging", "done"] = "model"
     messages: list[dict[str, Any]] = Field(default_factory=list)
@@ -101,15 +102,31 @@ class Run:
     def done(self) -> bool:
         return self.state.phase == "done"
 
+    def remembered(self) -> list[dict[str, Any]] | None:
+        """The conversation its session keeps once it is done: all of it, up to the answer;
+        None when it keeps nothing (no session, or no answer)."""
+        s = self.state
+        if s.request.session_id is None or s.stop_reason != "answer":
+            return None
+        return s.messages + [{"role": "assistant", "content": s.last_text}]
+
     @classmethod
     def start(
-        cls, request: HarnessRequest, topics: Topics, now: float, sample_of: str | None = None
+        cls,
+        request: HarnessRequest,
+        topics: Topics,
+        now: float,
+        sample_of: str | None = None,
+        history: list[dict[str, Any]] | None = None,
     ) -> tuple[Run, Outbox]:
+        """A run of `request`, after `history` (its session's conversation so far)."""
+        history = list(history or [])
         state = RunState(
             request=request,
             started_at=now,
             sample_of=sample_of,
-            messages=[m.model_dump(exclude_none=True) for m in request.messages],
+            history=history,
+            messages=history + [m.model_dump(exclude_none=True) for m in request.messages],
         )
         run = cls(state, topics)
         run.now = now
@@ -222,7 +239,7 @@ class Run:
         s.turn_cut = room < r.max_tokens
         body: dict[str, Any] = {
             "request_id": request_id,
-            "messages": s.messages,
+            "messages": list(s.messages),  # (a copy: the run goes on appending to its own)
             "tools": [t.model_dump(exclude_none=True) for t in r.tools],
             "tool_choice": _choice(r) if s.step == 0 else "auto",
             "temperature": r.temperature,
@@ -234,6 +251,8 @@ class Run:
         }
         if r.seed is not None:
             body["seed"] = r.seed
+        if r.tenant is not None:
+            body["tenant"] = r.tenant
         s.phase, s.waiting_model, s.calls, s.results = "model", request_id, {}, {}
         s.awaiting = {}
         out.add(self.topics.requests, request_id, body)
@@ -394,6 +413,7 @@ class Run:
             metadata=s.request.metadata,
             request=s.request.model_dump(mode="json", exclude_none=True),
             provenance=s.provenance,
+            history=s.history or None,
         )
 
 

@@ -30,6 +30,7 @@ from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
 from sluice.connectors.kafka_consumer import commit_or_skip
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
+from sluice.connectors.sessions import SessionStore, redact
 from sluice.connectors.topics import ensure_topics, partitions_of
 from sluice.harness.run import Outbox, Run, RunState, Topics
 from sluice.harness.verify import Vote, VoteState
@@ -57,9 +58,12 @@ def harness_topics(prefix: str) -> dict[str, str]:
 
 
 class HarnessService:
-    def __init__(self, bootstrap_servers: str, prefix: str):
+    def __init__(self, bootstrap_servers: str, prefix: str, redis_url: str | None = None):
         self.bootstrap_servers = bootstrap_servers
         self.prefix = prefix
+        # runs with a session_id continue its conversation and add themselves to it (none
+        # without Redis: they run on their own messages)
+        self.sessions = SessionStore(redis_url) if redis_url else None
         self.names = harness_topics(prefix)
         self.topics = Topics(
             requests=f"{prefix}.requests",
@@ -120,11 +124,14 @@ class HarnessService:
         self._consumer.assign(partitions)
         await self._gather_samples()
         unfinished = sum(not r.done for r in self.runs.values())
+        if self.sessions is not None:
+            await self.sessions.verify_credentials()  # a wrong password is an error, at once
         log.info(
-            "harness serving runs from %s (%d kept, %d unfinished)",
+            "harness serving runs from %s (%d kept, %d unfinished), sessions %s",
             n["requests"],
             len(self.runs),
             unfinished,
+            f"in Redis at {redact(self.sessions.url)}" if self.sessions else "off",
         )
 
     async def _gather_samples(self) -> None:
@@ -140,6 +147,8 @@ class HarnessService:
         for part in (self._consumer, self._states, self._producer):
             if part is not None:
                 await part.stop()
+        if self.sessions is not None:
+            await self.sessions.close()
 
     async def run(self) -> None:
         assert self._consumer is not None
@@ -186,8 +195,9 @@ class HarnessService:
             if known.done:  # its asker may have missed the answer: it is sent again, as it was
                 await self._publish([(self.topics.events, known.run_id, known.final_event())])
             return
+        history = await self._history(request)
         if request.verifier is not None and request.verifier.samples:
-            vote, samples, out = Vote.start(request, self.topics, now)
+            vote, samples, out = Vote.start(request, self.topics, now, history=history)
             self.votes[vote.run_id] = vote
             self.runs |= {sample.run_id: sample for sample in samples}
             log.info(
@@ -205,10 +215,36 @@ class HarnessService:
                 await self._keep(sample)
             await self._keep(vote)
             return
-        run, out = Run.start(request, self.topics, now)
+        run, out = Run.start(request, self.topics, now, history=history)
         self.runs[request.run_id] = run
         log.info("run %s: started", request.run_id)
         await self._apply(run, out)
+
+    async def _history(self, request: HarnessRequest) -> list[dict[str, Any]]:
+        """The conversation of the run's session before the run (none without a session)."""
+        if request.session_id is None:
+            return []
+        if self.sessions is None:
+            log.warning(
+                "run %s: no sessions here (no Redis): its session is not read", request.run_id
+            )
+            return []
+        found = await self.sessions.history_for(request.tenant, request.session_id, request.run_id)
+        return list(found[0]) if found else []
+
+    async def _remember(self, machine: Run | Vote) -> None:
+        """Add an answered run to its session (made again, it replaces its own entry)."""
+        conversation = machine.remembered()
+        if conversation is None or self.sessions is None:
+            return
+        r = machine.state.request
+        assert r.session_id is not None
+        start = (len(machine.state.history), 0)
+        # (no token ids: the next turn renders the conversation afresh, its KV found by prefix)
+        if not await self.sessions.record_turn(
+            r.tenant, r.session_id, r.run_id, conversation, [], start
+        ):
+            log.warning("run %s: its session %s was not updated (Redis)", r.run_id, r.session_id)
 
     async def _refuse(self, raw: bytes | None, error: ValidationError, now: float) -> None:
         """A request that is not a valid run: its asker hears why, if it can be told apart."""
@@ -280,6 +316,8 @@ class HarnessService:
             if isinstance(machine, Run):
                 machine.state.trace = []  # (the final, at least, is small)
             await self._publish(machine.fail(f"could not publish: {e}", time.time()).records)
+        if machine.done:
+            await self._remember(machine)
         await self._keep(machine)
         if not machine.done:
             return
@@ -320,8 +358,8 @@ def _dumps(message: dict) -> str:
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
 
 
-async def serve(bootstrap_servers: str, prefix: str) -> None:
-    service = HarnessService(bootstrap_servers, prefix)
+async def serve(bootstrap_servers: str, prefix: str, redis_url: str | None = None) -> None:
+    service = HarnessService(bootstrap_servers, prefix, redis_url)
     await service.start()
     try:
         await service.run()

@@ -38,6 +38,7 @@ class VoteState(BaseModel):
     request: HarnessRequest
     started_at: float
     samples: list[str]  # their run ids, in order
+    history: list[dict[str, Any]] = Field(default_factory=list)  # the session's, before the run
     finals: dict[str, dict[str, Any]] = Field(default_factory=dict)  # sample -> its final
     scores: dict[str, float | None] = Field(default_factory=dict)  # sample -> score (None: none)
     calls: dict[str, str] = Field(default_factory=dict)  # scoring call key -> sample
@@ -85,9 +86,23 @@ class Vote:
     def done(self) -> bool:
         return self.state.phase == "done"
 
+    def remembered(self) -> list[dict[str, Any]] | None:
+        """The conversation its session keeps once it is done: the question and the chosen
+        answer (a sample's own steps stay with the sample); None when it keeps nothing."""
+        s, r = self.state, self.state.request
+        chosen = s.finals.get(s.chosen or "")
+        if r.session_id is None or s.stop_reason != "answer" or chosen is None:
+            return None
+        asked = [m.model_dump(exclude_none=True) for m in r.messages]
+        return s.history + asked + [{"role": "assistant", "content": chosen["answer"]}]
+
     @classmethod
     def start(
-        cls, request: HarnessRequest, topics: Topics, now: float
+        cls,
+        request: HarnessRequest,
+        topics: Topics,
+        now: float,
+        history: list[dict[str, Any]] | None = None,
     ) -> tuple[Vote, list[Run], Outbox]:
         assert request.verifier is not None
         out, samples = Outbox(), []
@@ -97,12 +112,18 @@ class Vote:
                     "run_id": f"{request.run_id}.s{i}",
                     "seed": sample_seed(request, i),
                     "verifier": None,
+                    "session_id": None,  # (the verifier's run keeps the chosen answer alone)
                 }
             )
-            run, started = Run.start(sample, topics, now, sample_of=request.run_id)
+            run, started = Run.start(sample, topics, now, sample_of=request.run_id, history=history)
             samples.append(run)
             out.records += started.records
-        state = VoteState(request=request, started_at=now, samples=[r.run_id for r in samples])
+        state = VoteState(
+            request=request,
+            started_at=now,
+            samples=[r.run_id for r in samples],
+            history=list(history or []),
+        )
         vote = cls(state, topics)
         vote.now = now
         return vote, samples, out
@@ -113,7 +134,9 @@ class Vote:
         out, s, self.now = Outbox(), self.state, now
         if s.phase != "samples" or final.run_id not in s.samples or final.run_id in s.finals:
             return out  # (a copy, or too late)
-        s.finals[final.run_id] = final.model_dump(mode="json", exclude={"trace", "request"})
+        s.finals[final.run_id] = final.model_dump(
+            mode="json", exclude={"trace", "request", "history"}
+        )
         if len(s.finals) == len(s.samples):
             self._all_ended(out)
         return out
@@ -253,6 +276,7 @@ class Vote:
             request=r.model_dump(mode="json", exclude_none=True),
             candidates=candidates,
             provenance=(chosen or (ended[0] if ended else {})).get("provenance"),
+            history=s.history or None,
         )
 
 

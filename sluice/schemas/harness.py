@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue, model_validator
 
-from .request import MAX_ID_LENGTH, Message, _request_id
+from .request import MAX_ID_LENGTH, Message, SessionId, Tenant, _request_id
 from .tools import FUNCTION_NAME, MAX_TOOLS, Tool, ToolChoice, check_tools
 from .version import SCHEMA_VERSION
 
@@ -107,6 +107,12 @@ class HarnessRequest(BaseModel):
         description="Echoed on every event; its model turns are requests RUN_ID.m0, .m1, ...",
     )
     messages: list[Message] = Field(min_length=1)
+    session_id: SessionId | None = Field(
+        None,
+        description="The run continues this session's conversation (from Redis) and, answered, "
+        "adds itself to it, so that a later run or chat request goes on from there.",
+    )
+    tenant: Tenant | None = Field(None, description="The session's tenant; its turns' tenant.")
     tools: list[Tool] = Field(min_length=1, max_length=MAX_TOOLS)
     tool_choice: ToolChoice = Field(
         "auto",
@@ -224,4 +230,9 @@ class HarnessFinal(_Event):
     )
     provenance: dict[str, Any] | None = Field(
         None, description="The engine and settings that served the last model turn."
+    )
+    history: list[dict[str, Any]] | None = Field(
+        None,
+        description="The session's conversation the run continued (before its messages): with "
+        "`request`, what `sluice replay` starts from.",
     )

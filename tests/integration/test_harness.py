@@ -7,8 +7,9 @@ stopped while running a tool that is not idempotent answers `interrupted` instea
 tests/integration/test_tool_worker.py). The run replays identically from its record (`sluice
 replay`). Beside them, a run of a tool that always fails ends on its failures and stalls nothing,
 a best-of-n run answers with its best-scored sample's answer, a run with a judge answers again
-when the judge rejects its first answer, and a call that needs approval runs once `sluice agent
-approve` approves it."""
+when the judge rejects its first answer, a call that needs approval runs once `sluice agent
+approve` approves it, and a run with a session goes on from the session's earlier run (in
+Redis)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from sluice.testing.pipeline_harness import PipelineProcess, new_prefix, publish, sigkill
+from sluice.testing.pipeline_harness import (
+    PipelineProcess,
+    new_prefix,
+    publish,
+    settled_session,
+    sigkill,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +199,7 @@ def what_happened(events: list[dict]) -> list[object]:
 
 
 async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_one(
-    bootstrap_servers, tmp_path
+    bootstrap_servers, redis_url, tmp_path
 ):
     prefix = new_prefix()
     (tmp_path / "toolmod.py").write_text(TOOLS_MODULE)
@@ -216,7 +223,7 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         return Service(tmp_path, "tools", "serve", *serving, *kafka, env=tool_env)
 
     def new_harness() -> Service:
-        return Service(tmp_path, "agent", "serve", *kafka)
+        return Service(tmp_path, "agent", "serve", "--redis-url", redis_url, *kafka)
 
     def ask(run_id: str) -> subprocess.Popen:
         return subprocess.Popen(
@@ -295,6 +302,19 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         approve = [sys.executable, "-m", "sluice", "agent", "approve", approved_run["run_id"], key]
         subprocess.run([*approve, "--by", "test", *kafka], check=True, timeout=60)
         approved_events = await until(approved_run["run_id"], finals)
+        # two runs of one session: the second goes on from the first's conversation
+        session = f"chat-{uuid.uuid4().hex[:8]}"
+        remembered = []
+        for said in ("My name is Ada. Greet me.", "What is my name?"):
+            asked = {**best_of, "run_id": f"{session}-{len(remembered)}", "temperature": 0.0}
+            asked |= {"messages": [{"role": "user", "content": said}], "session_id": session}
+            del asked["verifier"]
+            await publish(
+                bootstrap_servers,
+                f"{prefix}.harness",
+                [(asked["run_id"].encode(), json.dumps(asked).encode())],
+            )
+            remembered += await until(asked["run_id"], finals)
         before = len(lines(counted))
         assert before >= 1 and lines(started) == lines(counted)
 
@@ -352,6 +372,20 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     assert "fewer words" in verdicts[0] and verdicts[1] == "true"
     assert judged_final["answer"] == turns[1]["text"]
     assert lines(judged) == [t["text"].replace("\n", " ") for t in turns]
+    first_run, second_run = [e for e in remembered if e["type"] == "harness_final"]
+    assert first_run["stop_reason"] == second_run["stop_reason"] == "answer", remembered
+    assert first_run.get("history") is None and second_run["history"] == [
+        {"role": "user", "content": "My name is Ada. Greet me."},
+        {"role": "assistant", "content": first_run["answer"]},
+    ]
+    kept = await settled_session(redis_url, "", session, turns=2)
+    assert kept["turn_ids"] == [first_run["run_id"], second_run["run_id"]]
+    assert [m["content"] for m in kept["messages"]] == [
+        "My name is Ada. Greet me.",
+        first_run["answer"],
+        "What is my name?",
+        second_run["answer"],
+    ]
     kinds = [e.get("kind", e["type"]) for e in approved_events]
     assert kinds == [
         "model",
