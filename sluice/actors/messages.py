@@ -78,10 +78,12 @@ class StepMessage(_Internal):
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
-    # With tools: the text the client sees (`text` less the calls' text, and less what may still
-    # become a call), and the calls completed (`tool_calls.py`). On the final message: completion
-    # 0's whole content and every call it made.
+    # With tools or a reasoning parser: the text the client sees as content (`text` less the
+    # reasoning and the calls' text, and less what may still become either), the reasoning, and
+    # the calls completed (`output_reader.py`). On the final message: completion 0's whole
+    # content, reasoning and every call it made.
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None  # the engine's (`SequenceStatus.finish_reason`)

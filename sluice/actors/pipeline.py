@@ -67,7 +67,7 @@ from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
 from sluice.connectors.topic_tail import TopicTail
 from sluice.connectors.topics import ensure_topics
 from sluice.connectors.transactions import PartitionTransactions
-from sluice.engine import EngineConfig, tool_formats
+from sluice.engine import EngineConfig, reasoning_formats, tool_formats
 
 if TYPE_CHECKING:
     from sluice.engine import LLMEngine
@@ -141,6 +141,9 @@ class PipelineConfig:
     event_format: str = "sluice"
     # How the model writes tool calls (`engine/tool_formats.py`); None: from its chat template.
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is told from its answer (`engine/reasoning_formats.py`);
+    # None: its text is all content.
+    reasoning_parser: str | None = None
     # Also read PREFIX.requests.<tenant>, whose name decides the request's tenant (so Kafka ACLs
     # decide who may act as which tenant).
     tenant_topics: bool = False
@@ -410,18 +413,23 @@ class Pipeline:
             LLMEngine, self.config.model, self.config.engine
         )
         engine.fault_hook = fault_hook_from_env(engine.tokenizer)  # tests only
-        self._choose_tool_format(engine.tokenizer, engine)
+        self._choose_formats(engine.tokenizer, engine)
         if engine.other_cpus:
             # The engine has CPUs of its own: this loop (and the threads it starts) keeps off them
             bind_this_thread(engine.other_cpus)
         return engine
 
-    def _choose_tool_format(
-        self, tokenizer: Tokenizer | None, engine: LLMEngine | None = None
-    ) -> None:
-        """The tokenizer's tool-call format (and the engine's provenance, which names it)."""
+    def _choose_formats(self, tokenizer: Tokenizer | None, engine: LLMEngine | None = None) -> None:
+        """The tokenizer's tool-call and reasoning formats (and the engine's provenance, which
+        names them)."""
         if tokenizer is None:
             return
+        reasoning = self.config.reasoning_parser
+        if reasoning is not None:
+            tokenizer.reasoning_format = reasoning_formats.named(reasoning)
+            if engine is not None:
+                engine.provenance = replace(engine.provenance, reasoning_format=reasoning)
+            log.info("reasoning read in the %s format (--reasoning-parser)", reasoning)
         name = self.config.tool_call_parser
         if name is not None:
             tokenizer.tool_format = tool_formats.named(name)(tokenizer)
@@ -490,7 +498,7 @@ class Pipeline:
 
         c, t = self.config, self.config.topics
         tokenizer, model_config = await asyncio.to_thread(load_tokenizer, c.model)
-        self._choose_tool_format(tokenizer)
+        self._choose_formats(tokenizer)
         max_len = c.engine.max_model_len or model_config.max_position_embeddings
         actor = TokenizerActor(
             tokenizer,

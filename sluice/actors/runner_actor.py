@@ -32,10 +32,10 @@ from sluice.actors.kv_events import KvEventPublisher, RunnerLoad
 from sluice.actors.kv_handoff import KvFiles, PrefillHandoff
 from sluice.actors.messages import Envelope, RequestHandle, StepMessage, TokenizedRequest
 from sluice.actors.metrics import Metrics
+from sluice.actors.output_reader import OutputReader
 from sluice.actors.progress import Progress, ProgressLog, RecordedTokens, request_digest
 from sluice.actors.runtime import Actor, ThreadedWorker, WorkerStopped
 from sluice.actors.scheduler_actor import routing_key
-from sluice.actors.tool_calls import CallReader
 from sluice.actors.transport import Sink
 from sluice.engine import LLMEngine, StepOutput
 from sluice.engine.draws import new_seed
@@ -87,7 +87,8 @@ class _Tracked:
     # Every logprob entry, per completion, when its one event must carry them (no streaming).
     logprobs: dict[int, list[TokenLogprob]] | None = None
     passing_on: bool = False  # admitted to be passed on to a decode runner after its first token
-    calls: CallReader | None = None  # with tools: reads its completions' calls
+    # with tools or a reasoning parser: reads its completions' reasoning, content and calls
+    reader: OutputReader | None = None
 
 
 # A message a step sends, with its delivery and the request it is about.
@@ -225,7 +226,7 @@ class RunnerActor(Actor):
         if handoff is not None and handoff.kv_file and self.kv_files is not None:
             kv = await asyncio.to_thread(self.kv_files.take, handoff.kv_file, handoff.kv_source)
         tracked = _Tracked(work, envelope.delivery, self._handle(work), time.time())
-        tracked.calls = CallReader.for_request(request, self._tokenizer)
+        tracked.reader = OutputReader.for_request(request, self._tokenizer)
         if not request.stream and request.logprobs is not None:
             tracked.logprobs = {}
         resume = None
@@ -336,9 +337,10 @@ class RunnerActor(Actor):
     def _failed(self, tracked: _Tracked, why: str) -> StepMessage:
         """A final with finish_reason "error" after what the request had published."""
         texts = tracked.texts
-        content, calls = None, None
-        if tracked.calls is not None:  # (what was sent, less its calls, as any final says)
-            content, calls = tracked.calls.ended(0, texts.get(0, ""))
+        content = reasoning = calls = None
+        if tracked.reader is not None:  # (what was sent, less its calls, as any final says)
+            read = tracked.reader.ended(0, texts.get(0, ""))
+            content, reasoning, calls = read.content, read.reasoning or None, read.calls or None
         return StepMessage(
             seq=tracked.seq,
             finished=True,
@@ -358,6 +360,7 @@ class RunnerActor(Actor):
             ),
             full_text=texts.get(0, ""),
             content=content,
+            reasoning=reasoning,
             tool_calls=calls,
             seed=tracked.record.seed if tracked.record else None,
             request_id=tracked.work.request.request_id,
@@ -596,14 +599,15 @@ class RunnerActor(Actor):
 
     def _token_message(self, tracked: _Tracked, out: StepOutput) -> StepMessage | None:
         """The message of a step's new tokens; None when there is nothing to send."""
-        content = calls = None
-        if tracked.calls is not None:  # (its last output may release text held back, or a call)
+        content = reasoning = calls = None
+        if tracked.reader is not None:  # (its last output may release text held back, or a call)
             before = tracked.texts.get(out.index, "")
             # A prefill runner's one token "finishes" only here: a decode runner goes on with it.
             handed_on = tracked.passing_on and out.finish_reason == "length"
             ended = out.finished and not handed_on
-            content, calls = tracked.calls.step(out.index, before, out.text, ended)
-            if not (out.new_token_ids or content or calls):
+            read = tracked.reader.step(out.index, before, out.text, ended)
+            content, reasoning, calls = read.content, read.reasoning, read.calls
+            if not (out.new_token_ids or content or reasoning or calls):
                 return None
         elif not (out.new_token_ids or out.text):
             return None
@@ -627,6 +631,7 @@ class RunnerActor(Actor):
             text=out.text,
             logprobs=logprobs,
             content=content,
+            reasoning=reasoning or None,
             tool_calls=calls or None,
             request_id=tracked.work.request.request_id,
             request=tracked.handle,
@@ -672,6 +677,7 @@ class RunnerActor(Actor):
                     stop_reason=o.stop_reason,
                     completion_tokens=len(tracked.token_ids.get(i, [])),
                     tool_calls=endings[i][1],
+                    reasoning=endings[i][3],
                 )
                 for i, o in sorted(tracked.finals.items())
             ]
@@ -688,7 +694,8 @@ class RunnerActor(Actor):
             usage=usage,
             timings=timings,
             full_text=tracked.texts.get(0, ""),
-            content=endings[0][0] if tracked.calls else None,
+            content=endings[0][0] if tracked.reader else None,
+            reasoning=endings[0][3],
             tool_calls=endings[0][1],
             choices=choices,
             choice_logprobs=tracked.logprobs,
@@ -709,11 +716,14 @@ class RunnerActor(Actor):
     @staticmethod
     def _ending(
         tracked: _Tracked, index: int, out: StepOutput
-    ) -> tuple[str, list[dict] | None, str]:
-        """(text, calls, finish reason) of a finished completion: its text less its calls, with
-        tools; one that stopped having made calls finished with "tool_calls", as OpenAI's do."""
+    ) -> tuple[str, list[dict] | None, str, str | None]:
+        """(text, calls, finish reason, reasoning) of a finished completion: its text less its
+        reasoning and calls, with a reader; one that stopped having made calls finished with
+        "tool_calls", as OpenAI's do."""
         text, reason = tracked.texts.get(index, ""), out.finish_reason
-        if tracked.calls is None:
-            return text, None, reason
-        content, calls = tracked.calls.ended(index, text)
-        return content, calls, "tool_calls" if calls and reason == "stop" else reason
+        if tracked.reader is None:
+            return text, None, reason, None
+        read = tracked.reader.ended(index, text)
+        calls = read.calls or None
+        finish = "tool_calls" if calls and reason == "stop" else reason
+        return read.content, calls, finish, read.reasoning or None

@@ -87,6 +87,7 @@ class StreamerActor(Actor):
                 text=message.text if message.content is None else message.content,
                 logprobs=message.logprobs,
                 tool_calls=message.tool_calls,
+                reasoning=message.reasoning,
                 session_id=message.request.session_id,
             )
             written = await self._send(envelope, topic, self._encode(message, event))
@@ -103,6 +104,7 @@ class StreamerActor(Actor):
                 model=message.request.model,
                 text=(message.full_text or "") if message.content is None else message.content,
                 tool_calls=message.tool_calls,
+                reasoning=message.reasoning,
                 choices=[
                     Choice(**c, logprobs=self._logprobs_of(message, c["index"]))
                     for c in message.choices

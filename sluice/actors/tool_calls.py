@@ -3,8 +3,8 @@ its sampling follows when it must call, and the calls its completions' text hold
 
 The model's family decides how calls are written (`engine/tool_formats.py`, on the tokenizer);
 this module maps a request's wire fields onto it. A completion's calls are read from its whole text
-at each step (`CallReader`), never from a reader's memory, so a completion resumed after a crash
-is read as the uninterrupted one was, and each call's id is derived from the request, the
+at each step (`output_reader.py`), never from a reader's memory, so a completion resumed after a
+crash is read as the uninterrupted one was, and each call's id is derived from the request, the
 completion and the call's place: the same on every copy of an event.
 """
 
@@ -14,7 +14,7 @@ import hashlib
 from typing import Any
 
 from sluice.engine.tokenizer import Tokenizer
-from sluice.engine.tool_formats import ToolFormat, Tools, ToolView
+from sluice.engine.tool_formats import Tools, ToolView
 from sluice.schemas import GenerateRequest
 from sluice.schemas.events import CalledFunction, GeneratedToolCall
 from sluice.schemas.tools import NamedToolChoice
@@ -72,47 +72,3 @@ def wire_calls(request_id: str, index: int, view: ToolView, first: int = 0) -> l
         ).model_dump()
         for place, call in enumerate(view.calls[first:], start=first)
     ]
-
-
-class CallReader:
-    """Reads one request's completions for calls (with a request that offers tools)."""
-
-    def __init__(self, request_id: str, tools: Tools, tool_format: ToolFormat):
-        self.request_id = request_id
-        self.tools = tools
-        self.format = tool_format
-        # Per completion, the text last read while it ran and its view: the next step's "before"
-        # (so each step reads its text once; a reader made after a resume reads it afresh).
-        self._running: dict[int, tuple[str, ToolView]] = {}
-
-    @staticmethod
-    def for_request(request: GenerateRequest, tokenizer: Tokenizer | None) -> CallReader | None:
-        tools = tools_of(request)
-        if tools is None or not tools.parsed or tokenizer is None:
-            return None
-        return CallReader(request.request_id, tools, tokenizer.tool_format)
-
-    def view(self, text: str, final: bool) -> ToolView:
-        view = self.format.view(text, self.tools, final)
-        if not self.tools.parallel and len(view.calls) > 1:  # (where no grammar held it to one)
-            return ToolView(view.content, view.calls[:1])
-        return view
-
-    def step(self, index: int, before: str, added: str, final: bool) -> tuple[str, list[dict]]:
-        """(the content delta, the calls completed) of `added` text after `before`."""
-        seen = self._running.get(index)
-        was = seen[1] if seen is not None and seen[0] == before else self.view(before, False)
-        text = before + added
-        now = self.view(text, final)
-        if final:
-            self._running.pop(index, None)
-        else:
-            self._running[index] = (text, now)
-        return now.content[len(was.content) :], wire_calls(
-            self.request_id, index, now, len(was.calls)
-        )
-
-    def ended(self, index: int, text: str) -> tuple[str, list[dict] | None]:
-        """(the content, every call) of a completion that ended with `text`."""
-        view = self.view(text, final=True)
-        return view.content, wire_calls(self.request_id, index, view) or None

@@ -94,6 +94,7 @@ _DECIDING = {
     "kv_cache_dtype": "another KV cache type",
     "device": "another kind of device",
     "tool_format": "another tool-call format",
+    "reasoning_format": "another reasoning parser",
 }
 _SINCE = {"tool_format"}  # recorded since a later version: not held against an older record
 
@@ -410,7 +411,13 @@ def engine_as_recorded(
     """An engine set up as the provenance `recorded` says (dtype, deterministic mode,
     quantization, KV cache type, tool-call format; the recorded model file when it exists here,
     else `model` or the default model)."""
-    from sluice.engine import EngineConfig, EngineError, LLMEngine, tool_formats
+    from sluice.engine import (
+        EngineConfig,
+        EngineError,
+        LLMEngine,
+        reasoning_formats,
+        tool_formats,
+    )
 
     dtype = recorded.get("dtype", "float32")
     kv = recorded.get("kv_cache_dtype", dtype)
@@ -433,6 +440,13 @@ def engine_as_recorded(
         except EngineError as exc:
             raise ClientError(f"the recorded tool-call format: {exc}") from exc
         engine.provenance = replace(engine.provenance, tool_format=tool_format)
+    reasoning = recorded.get("reasoning_format")
+    if tokenizer is not None and reasoning:  # (served with --reasoning-parser)
+        try:
+            tokenizer.reasoning_format = reasoning_formats.named(reasoning)
+        except EngineError as exc:
+            raise ClientError(f"the recorded reasoning parser: {exc}") from exc
+        engine.provenance = replace(engine.provenance, reasoning_format=reasoning)
     return engine
 
 

@@ -163,15 +163,16 @@ def replay_run(
 
 def _turn(engine: Any, body: dict[str, Any], seed: int) -> FinalEvent:
     """A model turn generated here, as the pipeline's final event would say it."""
-    from sluice.actors.tool_calls import CallReader
+    from sluice.actors.output_reader import OutputReader
 
     request = GenerateRequest.model_validate_json(json.dumps(body))
     alone = run_alone(engine, request, seed)
     text, reason = alone.texts.get(0, ""), alone.finish_reasons.get(0, "stop")
-    calls = None
-    reader = CallReader.for_request(request, engine.tokenizer)
+    calls = reasoning = None
+    reader = OutputReader.for_request(request, engine.tokenizer)
     if reader is not None:
-        text, calls = reader.ended(0, text)
+        read = reader.ended(0, text)
+        text, calls, reasoning = read.content, read.calls or None, read.reasoning or None
         if calls and reason == "stop":
             reason = "tool_calls"
     return FinalEvent(
@@ -186,6 +187,7 @@ def _turn(engine: Any, body: dict[str, Any], seed: int) -> FinalEvent:
         model=engine.provenance.model,
         text=text,
         tool_calls=calls,
+        reasoning=reasoning,
         seed=seed,
         provenance=engine.provenance.to_dict(),
     )

@@ -9,6 +9,7 @@ from sluice.actors.roles import ROLES
 from sluice.cli.generate import add_engine_arguments, engine_config_from_args
 from sluice.cli.kafka_security_flags import add_kafka_security_arguments
 from sluice.connectors.settings import kafka_bootstrap_servers, redis_url
+from sluice.engine.reasoning_formats import FORMATS as REASONING_FORMATS
 from sluice.engine.tool_formats import FORMATS
 
 
@@ -149,6 +150,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "where the template does not render tools, sluice then describing them)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        help="how a reasoning model's thinking is told from its answer: qwen3 (<think>...</think> "
+        "the model opens), deepseek_r1 (opened by the chat template); it goes to the events' "
+        "`reasoning` (default: none, the text is all content)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=int,
         help="serve Prometheus metrics (/metrics) and the /healthz and /readyz probes on this port",
@@ -228,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         commit_interval_ms=args.commit_interval_ms,
         event_format=args.event_format,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         tenant_topics=args.tenant_topics,
         routing=args.routing,
         load_margin=args.load_margin,

@@ -77,6 +77,9 @@ class Provenance:
     # how tool calls are written and read (`ToolFormat.name`): it shapes a tool request's prompt
     # and grammar (the pipeline's --tool-call-parser replaces the template's choice)
     tool_format: str | None = None
+    # how a reasoning model's thinking is told from its answer (`ReasoningFormat.name`, the
+    # pipeline's --reasoning-parser): it decides an answer's text, which a harness run goes on from
+    reasoning_format: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -127,6 +130,9 @@ def engine_provenance(
         device_name=_device_name(device),
         cpu_features=cpu_features(),
         tool_format=tokenizer.tool_format.name if tokenizer is not None else None,
+        reasoning_format=tokenizer.reasoning_format.name
+        if tokenizer is not None and tokenizer.reasoning_format is not None
+        else None,
     )
 
 

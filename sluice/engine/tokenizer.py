@@ -47,6 +47,7 @@ from tokenizers import (
 
 from sluice.engine import tool_formats
 from sluice.engine.errors import EngineError, ModelError
+from sluice.engine.reasoning_formats import ReasoningFormat
 from sluice.engine.tool_formats import ToolFormat
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,9 @@ class Tokenizer:
         self._compiled_template: jinja2.Template | None = None
         # How the model writes tool calls: chosen from the template unless set (`tool_formats`).
         self.tool_format: ToolFormat = tool_formats.detect(chat_template)(self)
+        # How a reasoning model's thinking is told from its answer (`reasoning_formats`); None:
+        # its text is all content (a parser is named, never guessed, as in vLLM).
+        self.reasoning_format: ReasoningFormat | None = None
 
     # ------------------------------------------------------------------ construction
 

@@ -109,7 +109,7 @@ def _decode(text: str) -> Any:
         return None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker` (0: none)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -270,7 +270,7 @@ class HermesFormat(ToolFormat):
                 return ToolView("", tuple(c for c in found if c is not None))
             return ToolView(text)
         if not final:
-            rest = rest[: len(rest) - _partial_suffix(rest, self.OPEN)]
+            rest = rest[: len(rest) - partial_suffix(rest, self.OPEN)]
         content.append(rest)
         return _settled("".join(content), calls, final)
 

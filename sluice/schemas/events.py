@@ -145,6 +145,10 @@ class TokenEvent(_Wire):
         description="Calls completed by these tokens (a request with tools; the text of a call "
         "is not in `text`).",
     )
+    reasoning: str | None = Field(
+        None,
+        description="Reasoning delta (with a reasoning parser: the thinking is not in `text`).",
+    )
     session_id: str | None = None
     metadata: dict[str, JsonValue] | None = None
 
@@ -197,6 +201,7 @@ class Choice(_Wire):
         None, description="Its logprobs, when the request asked for them and did not stream."
     )
     tool_calls: list[GeneratedToolCall] | None = None
+    reasoning: str | None = Field(None, description="Its thinking (with a reasoning parser).")
 
 
 class Failure(_Wire):
@@ -258,6 +263,11 @@ class Provenance(_Wire):
         description="How tool calls are written and read (hermes, llama3_json): it shapes a tool "
         "request's prompt and grammar.",
     )
+    reasoning_format: str | None = Field(
+        None,
+        description="How the model's thinking is told from its answer (qwen3, deepseek_r1); "
+        "none: its text is all content.",
+    )
 
 
 class FinalEvent(_Wire):
@@ -275,10 +285,14 @@ class FinalEvent(_Wire):
     timings: Timings
     model: str
     text: str = Field(
-        description="The full generated text (of completion 0 when n > 1), less its tool calls."
+        description="The full generated text (of completion 0 when n > 1), less its reasoning "
+        "and its tool calls."
     )
     tool_calls: list[GeneratedToolCall] | None = Field(
         None, description="Every call completion 0 made (a request with tools)."
+    )
+    reasoning: str | None = Field(
+        None, description="Completion 0's thinking (with a reasoning parser), apart from `text`."
     )
     choices: list[Choice] | None = Field(None, description="Every completion, only when n > 1.")
     logprobs: list[TokenLogprob] | None = Field(

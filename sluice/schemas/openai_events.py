@@ -120,6 +120,8 @@ def token_chunk(event: TokenEvent, shape: OpenAIShape, first: bool) -> dict[str,
     if shape.chat:
         role = {"role": "assistant"} if first else {}
         choice["delta"] = role | {"content": event.text}
+        if event.reasoning:  # (vLLM's name for it)
+            choice["delta"]["reasoning"] = event.reasoning
         if event.tool_calls:
             choice["delta"]["tool_calls"] = [c.model_dump() for c in event.tool_calls]
     else:
@@ -130,11 +132,15 @@ def token_chunk(event: TokenEvent, shape: OpenAIShape, first: bool) -> dict[str,
     return shape.head(event.request_id, shape.chunk_kind) | {"choices": [choice]} | _extras(event)
 
 
-def _outcomes(event: FinalEvent) -> list[tuple[int, str, str, list[GeneratedToolCall] | None]]:
-    """(index, text, finish_reason, tool calls) of every completion."""
+def _outcomes(
+    event: FinalEvent,
+) -> list[tuple[int, str, str, list[GeneratedToolCall] | None, str | None]]:
+    """(index, text, finish_reason, tool calls, reasoning) of every completion."""
     if event.choices:
-        return [(c.index, c.text, c.finish_reason, c.tool_calls) for c in event.choices]
-    return [(0, event.text, event.finish_reason, event.tool_calls)]
+        return [
+            (c.index, c.text, c.finish_reason, c.tool_calls, c.reasoning) for c in event.choices
+        ]
+    return [(0, event.text, event.finish_reason, event.tool_calls, event.reasoning)]
 
 
 def _final_extras(event: FinalEvent) -> dict[str, Any]:
@@ -151,7 +157,7 @@ def _final_extras(event: FinalEvent) -> dict[str, Any]:
 def last_chunk(event: FinalEvent, shape: OpenAIShape) -> dict[str, Any]:
     """The final event as the stream's last chunk: how each completion ended, and the usage."""
     choices = []
-    for index, _, finish_reason, _ in _outcomes(event):
+    for index, _, finish_reason, _, _ in _outcomes(event):
         choice: dict[str, Any] = {"index": index}
         if shape.chat:
             choice["delta"] = {}
@@ -167,7 +173,7 @@ def whole(
 ) -> dict[str, Any]:
     """The final event as one completion object (the request asked for no streaming)."""
     choices = []
-    for index, text, finish_reason, calls in _outcomes(event):
+    for index, text, finish_reason, calls, reasoning in _outcomes(event):
         choice: dict[str, Any] = {"index": index}
         if shape.chat:
             choice["message"] = {
@@ -175,6 +181,8 @@ def whole(
                 "content": text if text or not calls else None,
                 "refusal": None,
             }
+            if reasoning:
+                choice["message"]["reasoning"] = reasoning
             if calls:  # (OpenAI's calls have no index: their order is it)
                 choice["message"]["tool_calls"] = [c.model_dump(exclude={"index"}) for c in calls]
         else:

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from sluice.actors.conversation import build_prompt
-from sluice.actors.tool_calls import CallReader, call_id, sampling_kwargs
+from sluice.actors.output_reader import OutputReader
+from sluice.actors.tool_calls import call_id, sampling_kwargs
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import catalog, load_tokenizer
 from sluice.schemas import GenerateRequest
@@ -46,17 +47,18 @@ def tokenizer():
     return load_tokenizer(None)[0]
 
 
-def read_in_steps(reader: CallReader, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
+def read_in_steps(reader: OutputReader, text: str, cuts: list[int]) -> tuple[str, list[dict]]:
     content, calls, before = "", [], ""
     bounds = [0, *cuts, len(text)]
     for start, end in zip(bounds, bounds[1:]):
-        delta, made = reader.step(0, before, text[start:end], final=end == len(text))
-        content, calls, before = content + delta, calls + made, text[:end]
+        read = reader.step(0, before, text[start:end], final=end == len(text))
+        assert read.reasoning == ""  # (no reasoning parser)
+        content, calls, before = content + read.content, calls + read.calls, text[:end]
     return content, calls
 
 
 def test_deltas_add_up_to_the_ended_text_however_it_is_cut(tokenizer):
-    reader = CallReader.for_request(chat(), tokenizer)
+    reader = OutputReader.for_request(chat(), tokenizer)
     assert reader is not None
     whole = read_in_steps(reader, TEXT, [])
     assert whole[0] == "I will compute it."
@@ -67,7 +69,7 @@ def test_deltas_add_up_to_the_ended_text_however_it_is_cut(tokenizer):
     for cuts in ([5, 19, 30, 60, 100, 140], list(range(1, len(TEXT))), [len(TEXT) - 1]):
         assert read_in_steps(reader, TEXT, cuts) == whole
     # a reader made afresh (the request resumed elsewhere) reads the same calls under the same ids
-    again = CallReader.for_request(chat(), tokenizer)
+    again = OutputReader.for_request(chat(), tokenizer)
     assert again is not None and read_in_steps(again, TEXT, [70]) == whole
     assert [c["id"] for c in whole[1]] == [call_id("r-1", 0, 0), call_id("r-1", 0, 1)]
 
@@ -82,7 +84,7 @@ def test_only_a_request_that_must_call_samples_by_the_calls_grammar(tokenizer):
     forced = sampling_kwargs(chat(tool_choice="required"), tokenizer)["response_format"]
     assert forced["type"] == "grammar" and '"python"' in forced["grammar"]
     # tool_choice none: the tools are still described, but the text is not read for calls
-    assert CallReader.for_request(chat(tool_choice="none"), tokenizer) is None
+    assert OutputReader.for_request(chat(tool_choice="none"), tokenizer) is None
     prompt = build_prompt(tokenizer, chat(tool_choice="none"))
     assert "python" in tokenizer.decode(prompt.token_ids)
 
@@ -102,8 +104,8 @@ def test_qwen_calls_the_python_tool_of_its_own_accord():
     prompt = build_prompt(engine.tokenizer, request)
     params = SamplingParams(**sampling_kwargs(request, engine.tokenizer))
     (out,) = engine.generate(prompt_token_ids=[prompt.token_ids], params=[params])
-    reader = CallReader.for_request(request, engine.tokenizer)
+    reader = OutputReader.for_request(request, engine.tokenizer)
     assert reader is not None
     view = reader.view(out.text, final=True)
-    (call,) = view.calls
+    (call,) = view.tools.calls
     assert call.name == "python" and "123" in json.loads(call.arguments)["code"]

@@ -114,11 +114,14 @@ def test_names_the_tool_call_format_and_a_parser_chosen_over_the_templates(engin
     from sluice.actors.pipeline import Pipeline, PipelineConfig
 
     assert engine.provenance.tool_format == engine.tokenizer.tool_format.name == "hermes"
-    was = engine.tokenizer.tool_format, engine.provenance
+    assert engine.provenance.reasoning_format is None  # (none unless named)
+    was = engine.tokenizer.tool_format, engine.tokenizer.reasoning_format, engine.provenance
     try:
-        Pipeline(PipelineConfig(tool_call_parser="llama3_json"))._choose_tool_format(
-            engine.tokenizer, engine
-        )
+        config = PipelineConfig(tool_call_parser="llama3_json", reasoning_parser="deepseek_r1")
+        Pipeline(config)._choose_formats(engine.tokenizer, engine)
         assert engine.provenance.tool_format == engine.tokenizer.tool_format.name == "llama3_json"
+        assert engine.tokenizer.reasoning_format is not None
+        assert engine.provenance.reasoning_format == engine.tokenizer.reasoning_format.name
+        assert engine.provenance.reasoning_format == "deepseek_r1"
     finally:
-        engine.tokenizer.tool_format, engine.provenance = was
+        engine.tokenizer.tool_format, engine.tokenizer.reasoning_format, engine.provenance = was

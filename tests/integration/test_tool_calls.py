@@ -1,7 +1,8 @@
 """Tool calls on the real broker with the real model: requests with tools, from the official
 `openai` client and in sluice's own shape, get calls whose arguments validate against their tool's
 schema, streamed as OpenAI's chunk deltas or sluice's token events, finished with "tool_calls";
-and a session's next turn brings the call's result back to the model with the earlier turn's KV.
+a session's next turn brings the call's result back to the model with the earlier turn's KV; and
+with a reasoning parser, a completion's thinking streams apart from its answer, in both formats.
 
 The default model (SmolLM2-135M) knows nothing of tools: its template does not render them, so
 sluice describes them in the system message, and a call it must make (``required``, a named
@@ -10,6 +11,7 @@ function) is held to the tools' schemas by the grammar."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from jsonschema import Draft202012Validator
@@ -72,9 +74,19 @@ def openai_body(request_id: str, **params) -> tuple[bytes, bytes]:
     return request_id.encode(), json.dumps({**body, "request_id": request_id}).encode()
 
 
+# A completion that thinks, then answers (SmolLM2 never thinks of itself: a grammar makes it).
+THINKING = {
+    "type": "grammar",
+    "grammar": 'start: "<think>" THOUGHT "</think>" ANSWER\n'
+    "THOUGHT: /[a-z][a-z ]{2,40}/\nANSWER: /[A-Z][a-z ]{2,30}\\./",
+}
+
+
 async def test_tool_calls_over_kafka_in_both_event_formats(bootstrap_servers, redis_url, tmp_path):
     prefix = new_prefix()
-    process = PipelineProcess(bootstrap_servers, redis_url, prefix, tmp_path)
+    process = PipelineProcess(
+        bootstrap_servers, redis_url, prefix, tmp_path, "--reasoning-parser", "qwen3"
+    )
     named = {"type": "function", "function": {"name": "weather"}}
     trip = f"trip-{prefix}"  # (sessions live in the shared Redis)
     try:
@@ -98,9 +110,22 @@ async def test_tool_calls_over_kafka_in_both_event_formats(bootstrap_servers, re
                     max_tokens=60,
                     session_id=trip,
                 ),
+            ]
+            + [
+                request(
+                    f"thinks-{shape}",
+                    messages=[{"role": "user", "content": "Is the sky blue?"}],
+                    response_format=THINKING,
+                    stream=True,
+                    event_format=shape,
+                    temperature=0,
+                    max_tokens=60,
+                )
+                for shape in ("sluice", "openai")
             ],
         )
-        streams = await collect(bootstrap_servers, prefix, {"oa-stream", "oa-named", "native"})
+        asked = {"oa-stream", "oa-named", "native", "thinks-sluice", "thinks-openai"}
+        streams = await collect(bootstrap_servers, prefix, asked)
         await settled_session(redis_url, "", trip, 1)  # (the default tenant's key)
         native = streams.events["native"]
         (call,) = native[-1]["tool_calls"]
@@ -150,6 +175,21 @@ async def test_tool_calls_over_kafka_in_both_event_formats(bootstrap_servers, re
     assert final["type"] == "final" and final["finish_reason"] == "tool_calls"
     assert streamed == final["tool_calls"] and final["text"] == ""
     assert valid(call["function"]["name"], call["function"]["arguments"])
+
+    # the thinking apart from the answer: streamed as deltas of their own, whole on the final
+    thought = streams.events["thinks-sluice"]
+    final = thought[-1]
+    assert final["type"] == "final" and final["finish_reason"] == "stop", final
+    assert re.fullmatch(r"[a-z][a-z ]*", final["reasoning"]), final
+    assert re.fullmatch(r"[A-Z][a-z ]*\.", final["text"]), final
+    tokens = [e for e in thought if e["type"] == "token"]
+    assert "".join(e.get("reasoning") or "" for e in tokens) == final["reasoning"]
+    assert "".join(e["text"] for e in tokens) == final["text"]
+    chunks = [ChatCompletionChunk.model_validate(e) for e in streams.events["thinks-openai"]]
+    said = [c.choices[0].delta for c in chunks[:-1]]
+    reasoning = "".join((d.model_extra or {}).get("reasoning") or "" for d in said)
+    assert re.fullmatch(r"[a-z][a-z ]*", reasoning), said
+    assert re.fullmatch(r"[A-Z][a-z ]*\.", "".join(d.content or "" for d in said)), said
 
     # the session's next turn: the result read by the model after the earlier turn's KV
     (answer,) = after.finals("native-2")

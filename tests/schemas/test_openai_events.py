@@ -158,3 +158,32 @@ def test_tool_calls_are_chunk_deltas_and_the_whole_message_s_calls():
     assert made.id == call["id"] and made.function.arguments == '{"city": "Oslo"}'
     last = ChatCompletionChunk.model_validate(wire(last_chunk(final, CHAT)))
     assert last.choices[0].finish_reason == "tool_calls"
+
+
+def test_reasoning_is_the_deltas_and_the_messages_reasoning_apart_from_the_content():
+    event = TokenEvent.model_validate(
+        {"request_id": "r", "seq": 1, "token_ids": [7], "text": "", "reasoning": "Blue, "}
+    )
+    chunk = ChatCompletionChunk.model_validate(wire(token_chunk(event, CHAT, True)))
+    delta = chunk.choices[0].delta
+    assert delta.content == "" and (delta.model_extra or {})["reasoning"] == "Blue, "
+    plain = ChatCompletionChunk.model_validate(
+        wire(token_chunk(event.model_copy(update={"reasoning": None}), CHAT, True))
+    )
+    assert "reasoning" not in (plain.choices[0].delta.model_extra or {})
+    final = FinalEvent.model_validate(
+        {
+            "request_id": "r",
+            "seq": 3,
+            "finish_reason": "stop",
+            "usage": {"prompt_tokens": 9, "completion_tokens": 5},
+            "timings": {"queue_s": 0, "total_s": 1},
+            "model": "m",
+            "text": "Yes.",
+            "reasoning": "Blue, as ever.",
+        }
+    )
+    message = ChatCompletion.model_validate(wire(whole(final, CHAT, None))).choices[0].message
+    assert (
+        message.content == "Yes." and (message.model_extra or {})["reasoning"] == "Blue, as ever."
+    )
