@@ -14,7 +14,14 @@ Formats (``--tool-call-parser``), chosen from the chat template when not named:
   written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; an answer that is only
   such an object, bare or in a ```json fence (as Qwen2.5-Coder often writes it), is a call too;
 * ``llama3_json`` (Llama 3.1 to 3.3): an answer that is only ``{"name": ..., "parameters":
-  {...}}`` objects, separated by ``;``.
+  {...}}`` objects, separated by ``;``;
+* ``mistral`` (Mistral's, chosen where the template writes ``[TOOL_CALLS]``): text, then
+  ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}`` calls, or ``name[ARGS]{...}``
+  after each ``[TOOL_CALLS]`` (newer tokenizers);
+* ``pythonic`` (Llama 3.2 and 4, Gemma 3; named, never guessed): an answer that is only a Python
+  list of calls with arguments by name, ``[weather(city="Oslo"), ...]``, bare or in a
+  ```tool_code fence (``print(...)`` around it too, as Gemma writes it), read with `ast` and
+  never evaluated; JSON's true, false and null are taken for Python's.
 
 A template that does not render tools (SmolLM2's, Gemma's) gets them from sluice instead: the
 tools described in the system message, earlier calls and their results written as hermes text.
@@ -344,12 +351,220 @@ def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (HermesFormat, Llama3JsonFormat)}
+class MistralFormat(ToolFormat):
+    name = "mistral"
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def view(self, text: str, tools: Tools, final: bool) -> ToolView:
+        start = text.find(self.MARK)
+        if start < 0:
+            if not final:
+                text = text[: len(text) - partial_suffix(text, self.MARK)]
+            return ToolView(text)
+        if not final:  # (the calls are whole once the completion ends)
+            return _settled(text[:start], [], final)
+        calls = self._calls_after(text[start:])
+        if calls is None:  # not calls after all: it is text
+            return ToolView(text)
+        return _settled(text[:start], calls, final)
+
+    def _calls_after(self, text: str) -> list[ToolCall] | None:
+        """Every call after the marks: a JSON array (or object) of calls after one, or a
+        ``name[ARGS]{...}`` after each; None when any of it is not a call."""
+        calls: list[ToolCall] = []
+        for part in text.split(self.MARK)[1:]:
+            part = part.strip()
+            if self.ARGS in part:
+                name, _, arguments = part.partition(self.ARGS)
+                found = [
+                    _as_call({"name": name.strip(), "arguments": _decode(arguments)}, None, "")
+                ]
+            else:
+                found = [_as_call(o, None, "arguments") for o in _listed(_decode(part))]
+            if not found or any(c is None for c in found):
+                return None
+            calls += [c for c in found if c is not None]
+        return calls
+
+    def grammar(self, tools: Tools) -> str | None:
+        one = tools.forced is not None or not tools.parallel
+        schema = {
+            "x-guidance": _JSON_STYLE,
+            "type": "array",
+            "items": self._call_schema(tools, "arguments"),
+            "minItems": 1,
+            **({"maxItems": 1} if one else {}),
+        }
+        calls = f"{self._literal(self.MARK)} body"
+        if tools.constrained:
+            start = f"start: {calls}"
+        elif self.tokenizer is not None and self.tokenizer.is_added_token(self.MARK):
+            start = f"start: TEXT | TEXT {calls}\nTEXT: /(?s:.*)/"
+        else:
+            return None
+        return f"{start}\nbody: %json {json.dumps(schema, ensure_ascii=False)}"
+
+
+class PythonicFormat(ToolFormat):
+    name = "pythonic"
+    _FENCES = frozenset({"", "tool_code", "python", "py"})
+
+    def view(self, text: str, tools: Tools, final: bool) -> ToolView:
+        if self._may_be_calls(text.lstrip()):
+            if not final:
+                return ToolView("")
+            calls = _python_calls(self._unfenced(text), tools.names)
+            if calls:
+                return ToolView("", tuple(calls))
+        return ToolView(text)
+
+    def _may_be_calls(self, head: str) -> bool:
+        if not head or head[0] == "[":
+            return True
+        if not head.startswith("```"):
+            return "```".startswith(head)
+        line_end = head.find("\n")
+        return line_end < 0 or head[3:line_end].strip().lower() in self._FENCES
+
+    @staticmethod
+    def _unfenced(text: str) -> str:
+        body = text.strip()
+        if body.startswith("```") and body.endswith("```") and "\n" in body:
+            body = body[body.find("\n") + 1 : -3].strip()
+        return body
+
+    def grammar(self, tools: Tools) -> str | None:
+        if not tools.constrained:
+            return None  # (a call is an answer that is only a list: no sign of it before it ends)
+        chosen = [t for t in tools.functions if tools.forced in (None, _name(t))]
+        rules, options = [], []
+        for i, tool in enumerate(chosen):
+            parameters = _parameters(tool)
+            properties = parameters.get("properties") or {}
+            required = [p for p in properties if p in (parameters.get("required") or [])]
+            optional = [p for p in properties if p not in required]
+            words = []
+            for j, prop in enumerate(required + optional):
+                value = f"v{i}_{j}"
+                rules.append(f"{value}: {_python_value(properties[prop])}")
+                words.append((f"{json.dumps(prop + '=')} {value}", prop in required))
+            options.append(f"c{i}")
+            opened = json.dumps(_name(tool) + "(")
+            rules.append(f'c{i}: {opened} {_python_arguments(words)} ")"')
+        one = "call"
+        calls = (
+            f'"[" {one} (", " {one})* "]"'
+            if tools.parallel and tools.forced is None
+            else f'"[" {one} "]"'
+        )
+        return "\n".join([f"start: {calls}", f"call: {' | '.join(options)}", *rules])
+
+    def system_text(self, tools: Tools) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools.functions)
+        return (
+            "# Tools\n\nYou can call functions to answer. They are described as JSON Schemas:\n"
+            f"{listed}\n\nTo call them, answer with nothing but a Python list of the calls, "
+            "arguments by name: [function_name(param=value, ...), ...]"
+        )
+
+    def calls_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
+        written = []
+        for c in calls:
+            arguments = c["function"]["arguments"]
+            pairs = arguments.items() if isinstance(arguments, Mapping) else ()
+            said = ", ".join(f"{k}={v!r}" for k, v in pairs)
+            written.append(f"{c['function']['name']}({said})")
+        return "[" + ", ".join(written) + "]"
+
+    @staticmethod
+    def result_text(content: str) -> str:
+        return f"```tool_output\n{content}\n```"
+
+
+def _python_value(schema: Mapping[str, Any]) -> str:
+    """A grammar for one argument's value, written as Python (a JSON string or number is one)."""
+    if schema.get("type") == "boolean":
+        return '"True" | "False"'
+    return "%json " + json.dumps({"x-guidance": _JSON_STYLE, **schema}, ensure_ascii=False)
+
+
+def _python_arguments(words: list[tuple[str, bool]]) -> str:
+    """Keyword arguments in the schema's order, required ones first; an optional one may be
+    left out only with those after it (a grammar of every subset would be exponential)."""
+    required = [w for w, needed in words if needed]
+    optional = [w for w, needed in words if not needed]
+    if required:
+        return " ".join([' ", " '.join(required), _optional_tail(optional)]).strip()
+    if not optional:
+        return ""
+    return f"({optional[0]} {_optional_tail(optional[1:])})?"
+
+
+def _optional_tail(optional: list[str]) -> str:
+    """`(", " o1 (", " o2)?)?`: each optional argument after the one before it."""
+    tail = ""
+    for word in reversed(optional):
+        tail = f'(", " {word} {tail})?'
+    return tail
+
+
+_PYTHON_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False}
+_PYTHON_NAMES |= {"null": None}
+
+
+def _python_calls(text: str, names: frozenset[str]) -> list[ToolCall]:
+    """The calls of an answer that is a Python list of them (or one call, or print() of them,
+    as models write them); [] when it is anything else."""
+    import ast
+
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return []
+    if isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id == "print":
+        tree = tree.args[0] if len(tree.args) == 1 and not tree.keywords else tree
+    items = tree.elts if isinstance(tree, ast.List) else [tree]
+    calls = []
+    for item in items:
+        if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Name)):
+            return []
+        if item.func.id not in names or item.args:
+            return []
+        try:
+            arguments = {k.arg: _literal(k.value) for k in item.keywords if k.arg is not None}
+        except ValueError:
+            return []
+        if len(arguments) != len(item.keywords):
+            return []
+        calls.append(ToolCall(item.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _literal(node: Any) -> Any:
+    """A Python literal's value; JSON's true, false and null are taken too (models mix them)."""
+    import ast
+
+    if isinstance(node, ast.Name) and node.id in _PYTHON_NAMES:
+        return _PYTHON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("a ** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+FORMATS: dict[str, type[ToolFormat]] = {
+    f.name: f for f in (HermesFormat, Llama3JsonFormat, MistralFormat, PythonicFormat)
+}
 
 
 def detect(template: str | None) -> type[ToolFormat]:
     """The format a chat template's model writes calls in."""
     text = template or ""
+    if "[TOOL_CALLS]" in text:
+        return MistralFormat
     if "<tool_call>" not in text and "tools" in text:
         if '"parameters"' in text or "python_tag" in text:
             return Llama3JsonFormat

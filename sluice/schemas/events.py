@@ -260,8 +260,8 @@ class Provenance(_Wire):
     )
     tool_format: str | None = Field(
         None,
-        description="How tool calls are written and read (hermes, llama3_json): it shapes a tool "
-        "request's prompt and grammar.",
+        description="How tool calls are written and read (hermes, llama3_json, mistral, pythonic): "
+        "it shapes a tool request's prompt and grammar.",
     )
     reasoning_format: str | None = Field(
         None,
