@@ -105,6 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     ask.add_argument("--tenant", help="the session's tenant")
     ask.add_argument("--run-id", help="default: a fresh uuid4 hex")
+    ask.add_argument(
+        "--stream", action="store_true", help="show each turn's text as it is generated"
+    )
     ask.add_argument("--json", action="store_true", help="print each event as a JSON line")
     ask.add_argument("--wait", type=float, default=900, help="give up after this many seconds")
     add_kafka_arguments(ask)
@@ -163,6 +166,8 @@ def request_body(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
+    if args.stream:
+        body["stream"] = True
     if args.self_consistency is not None:
         body["verifier"] = {"type": "self-consistency", "n": args.self_consistency}
         if args.answer_pattern is not None:
@@ -273,7 +278,8 @@ async def ask(args: argparse.Namespace) -> int:
 
 async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int:
     """Print the run's events, and its samples' (a verifier's run), once each, until its final."""
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[Any, ...]] = set()
+    streamed: set[tuple[str, int]] = set()  # turns whose text was shown as it came (--stream)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         batch = await consumer.getmany(timeout_ms=500)
@@ -283,13 +289,25 @@ async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int
                 of = event.get("run_id")
                 if not isinstance(of, str) or (of != run_id and not _sample(of, run_id)):
                     continue
-                if (of, event.get("seq")) in seen:
+                delta = event.get("type") == "delta"
+                name = (of, event["step"], event["index"]) if delta else (of, event.get("seq"))
+                if name in seen:
                     continue
-                seen.add((of, event["seq"]))
+                seen.add(name)
                 if as_json:
                     print(json.dumps(event, ensure_ascii=False), flush=True)
+                    continue
+                sample = f"[sample {of[len(run_id) + 2 :]}] " if of != run_id else ""
+                turn = (of, event.get("step", -1))
+                if delta:
+                    if turn not in streamed:
+                        streamed.add(turn)
+                        print(f"{sample}[turn {event['step']}] ", end="")
+                    print(event.get("text") or "", end="", flush=True)
+                elif event.get("kind") == "model" and turn in streamed:
+                    calls = [c["function"]["name"] for c in event.get("tool_calls") or []]
+                    print(f" -> calls {', '.join(calls)}" if calls else "", flush=True)
                 else:
-                    sample = f"[sample {of[len(run_id) + 2 :]}] " if of != run_id else ""
                     print(sample + _line(event), flush=True)
                 if event.get("type") == "harness_final" and of == run_id:
                     return EXIT_OK if event["stop_reason"] == "answer" else EXIT_FAILED

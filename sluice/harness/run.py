@@ -26,9 +26,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sluice.schemas.events import ErrorEvent, FinalEvent
+from sluice.schemas.events import ErrorEvent, FinalEvent, TokenEvent
 from sluice.schemas.harness import (
     Approval,
+    HarnessDelta,
     HarnessFinal,
     HarnessRequest,
     HarnessStep,
@@ -48,9 +49,11 @@ class Topics:
 
 @dataclass
 class Outbox:
-    """What a transition publishes: (topic, key, message) each."""
+    """What a transition publishes: (topic, key, message) each; `changed`: whether the run's state
+    changed too (then it is kept)."""
 
     records: list[tuple[str, str, BaseModel | dict[str, Any]]] = field(default_factory=list)
+    changed: bool = True
 
     def add(self, topic: str, key: str, message: BaseModel | dict[str, Any]) -> None:
         self.records.append((topic, key, message))
@@ -175,6 +178,22 @@ class Run:
             self._call_tools(out, calls, now)
         return out
 
+    def on_token_event(self, event: TokenEvent) -> Outbox:
+        """A token event of the turn under way (a run with ``stream``): its text, passed on as a
+        delta; the run's state does not change."""
+        out, s = Outbox(changed=False), self.state
+        if s.phase == "model" and event.request_id == s.waiting_model:
+            if event.index == 0 and (event.text or event.reasoning):
+                delta = HarnessDelta(
+                    run_id=self.run_id,
+                    step=s.step,
+                    index=event.seq,
+                    text=event.text,
+                    reasoning=event.reasoning,
+                )
+                out.add(self.topics.events, self.run_id, delta)
+        return out
+
     def on_tool_result(self, result: ToolResultMessage, now: float) -> Outbox:
         out, s, self.now = Outbox(), self.state, now
         if s.phase == "judging" and result.key in s.calls and result.key not in s.results:
@@ -244,7 +263,7 @@ class Run:
             "tool_choice": _choice(r) if s.step == 0 else "auto",
             "temperature": r.temperature,
             "max_tokens": min(r.max_tokens, room),
-            "stream": False,
+            "stream": r.stream,
             "event_format": "sluice",
             "reply_topic": self.topics.replies,
             "metadata": {"harness_run": r.run_id, "step": s.step},

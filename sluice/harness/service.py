@@ -35,7 +35,7 @@ from sluice.connectors.topics import ensure_topics, partitions_of
 from sluice.harness.run import Outbox, Run, RunState, Topics
 from sluice.harness.verify import Vote, VoteState
 from sluice.schemas import decode_event
-from sluice.schemas.events import ErrorEvent, FinalEvent
+from sluice.schemas.events import ErrorEvent, FinalEvent, TokenEvent
 from sluice.schemas.harness import Approval, HarnessFinal, HarnessRequest
 from sluice.schemas.parse import error_from_validation
 from sluice.schemas.tool_messages import ToolResultMessage
@@ -278,10 +278,14 @@ class HarnessService:
                 event = decode_event(raw or b"")
             except Exception:
                 return None, None
-            if not isinstance(event, (FinalEvent, ErrorEvent)) or event.request_id is None:
+            if event.request_id is None:
                 return None, None
             run = self.runs.get(event.request_id.rpartition(".m")[0])
             if run is None:
+                return None, None
+            if isinstance(event, TokenEvent):
+                return run, lambda now: run.on_token_event(event)
+            if not isinstance(event, (FinalEvent, ErrorEvent)):
                 return None, None
             return run, lambda now: run.on_model_event(event, now)
         if topic == self.names["approvals"]:
@@ -309,6 +313,7 @@ class HarnessService:
         then told to its verifier's run."""
         if not out.records:
             return
+        changed = out.changed
         try:
             await self._publish(out.records)
         except KafkaError as e:  # e.g. a message over the broker's size limit
@@ -316,6 +321,9 @@ class HarnessService:
             if isinstance(machine, Run):
                 machine.state.trace = []  # (the final, at least, is small)
             await self._publish(machine.fail(f"could not publish: {e}", time.time()).records)
+            changed = True
+        if not changed:  # (a delta passed on: nothing to keep)
+            return
         if machine.done:
             await self._remember(machine)
         await self._keep(machine)

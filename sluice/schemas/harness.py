@@ -137,6 +137,11 @@ class HarnessRequest(BaseModel):
         max_length=MAX_TOOLS,
         description="Tools whose calls wait for an `Approval` on PREFIX.harness-approvals.",
     )
+    stream: bool = Field(
+        False,
+        description="Send each model turn's text as it is generated (`delta` events), besides "
+        "its step when it ends.",
+    )
     approval_timeout_s: float = Field(
         300.0,
         gt=0,
@@ -175,6 +180,22 @@ class Approval(BaseModel):
         None, max_length=2000, description="Shown to the model with a denial."
     )
     by: str | None = Field(None, max_length=200, description="Who decided (for the record).")
+
+
+class HarnessDelta(BaseModel):
+    """Text a model turn of a run with ``stream`` added (a token event of the turn, passed on).
+    Not one of the run's numbered events: ``(run_id, step, index)`` names it, and a copy (a
+    turn resumed after a crash sends its tokens again, the same) is dropped by that."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    schema_version: int = SCHEMA_VERSION
+    type: Literal["delta"] = "delta"
+    run_id: str
+    step: int = Field(ge=0, description="The model turn.")
+    index: int = Field(ge=0, description="The token event's seq within the turn.")
+    text: str = ""
+    reasoning: str | None = None
 
 
 class _Event(BaseModel):

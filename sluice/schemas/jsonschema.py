@@ -5,7 +5,8 @@
 ``FinalEvent``, ``ErrorEvent`` (what sluice sends; open to new fields, which consumers ignore), and
 ``OutputEvent`` (any event, told apart by ``type``), and the messages of tool calls and their
 results (``ToolCallMessage``, ``ToolResultMessage``) for tool workers in other languages, and the
-harness's (``HarnessRequest``, ``HarnessStep``, ``HarnessFinal``, ``Approval``: docs/HARNESS.md).
+harness's (``HarnessRequest``, ``HarnessStep``, ``HarnessDelta``, ``HarnessFinal``,
+``Approval``: docs/HARNESS.md).
 ``sluice schema`` prints them.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 from pydantic import TypeAdapter
 
 from .events import ErrorEvent, FinalEvent, OutputEvent, TokenEvent
-from .harness import Approval, HarnessFinal, HarnessRequest, HarnessStep
+from .harness import Approval, HarnessDelta, HarnessFinal, HarnessRequest, HarnessStep
 from .request import GenerateRequest
 from .tool_messages import ToolCallMessage, ToolResultMessage
 from .version import SCHEMA_VERSION
@@ -55,6 +56,9 @@ def json_schemas() -> dict[str, dict[str, Any]]:
         "HarnessStep": _stamp(HarnessStep.model_json_schema(mode="serialization"), "HarnessStep"),
         "HarnessFinal": _stamp(
             HarnessFinal.model_json_schema(mode="serialization"), "HarnessFinal"
+        ),
+        "HarnessDelta": _stamp(
+            HarnessDelta.model_json_schema(mode="serialization"), "HarnessDelta"
         ),
         "Approval": _stamp(Approval.model_json_schema(mode="validation"), "Approval"),
     }

@@ -235,3 +235,26 @@ def test_a_fault_while_moving_a_run_ends_it_with_an_error():
     (final,) = sent(run.fail("the harness failed: boom", now=5.0), HarnessFinal)
     assert final.stop_reason == "error" and final.error == "the harness failed: boom"
     assert run.done and run.fail("again", now=6.0).records == []
+
+
+def test_a_streamed_runs_turn_passes_its_text_on_as_deltas_and_keeps_nothing():
+    from sluice.schemas.events import TokenEvent
+    from sluice.schemas.harness import HarnessDelta
+
+    run, out = Run.start(harness_request(stream=True), TOPICS, now=0.0)
+    assert out.records[0][2]["stream"] is True
+    before = run.state.model_dump_json()
+
+    def token(request_id: str, seq: int, text: str, index: int = 0) -> TokenEvent:
+        return TokenEvent(request_id=request_id, seq=seq, index=index, token_ids=[1], text=text)
+
+    out = run.on_token_event(token("run-1.m0", 3, "Let me"))
+    ((topic, key, delta),) = out.records
+    assert (topic, key, out.changed) == ("p.harness-events", "run-1", False)
+    assert isinstance(delta, HarnessDelta)
+    assert (delta.step, delta.index, delta.text) == (0, 3, "Let me")
+    assert run.state.model_dump_json() == before  # (nothing to keep)
+    # another turn's, another completion's, or an empty one: nothing
+    assert run.on_token_event(token("run-1.m1", 4, "x")).records == []
+    assert run.on_token_event(token("run-1.m0", 4, "x", index=1)).records == []
+    assert run.on_token_event(token("run-1.m0", 4, "")).records == []

@@ -99,7 +99,7 @@ POISON = {
 }
 # sampled and seeded, so that "the same run" means the same draws, not only the same argmax
 ASK = ["What is at the harbour?", "--tool-choice", "visit", "--temperature", "0.8"]
-ASK += ["--seed", "11", "--max-steps", "3", "--max-tokens", "32"]
+ASK += ["--seed", "11", "--max-steps", "3", "--max-tokens", "32", "--stream"]
 
 
 class Service:
@@ -173,11 +173,29 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines()
 
 
+def steps_of(events: list[dict]) -> list[dict]:
+    """A run's numbered events (its steps and final), without the deltas of its turns' text."""
+    return [e for e in events if e["type"] != "delta"]
+
+
+def streamed(events: list[dict]) -> dict[int, str]:
+    """Each turn's text as its deltas said it (a copy, from a resumed turn, said once)."""
+    by_name: dict[tuple[int, int], str] = {}
+    for e in events:
+        if e["type"] == "delta":
+            name = (e["step"], e["index"])
+            assert by_name.setdefault(name, e["text"]) == e["text"], "a delta with two contents"
+    turns: dict[int, str] = {}
+    for step, index in sorted(by_name):
+        turns[step] = turns.get(step, "") + by_name[step, index]
+    return turns
+
+
 def what_happened(events: list[dict]) -> list[object]:
     """A run's events less what names the run (its id, its calls' ids and keys) and what the
     clock and the processes give (times, the worker): what two runs of one request share."""
     by_seq: dict[int, dict] = {}
-    for event in events:
+    for event in steps_of(events):
         assert by_seq.setdefault(event["seq"], event) == event, "a seq with two contents"
     assert sorted(by_seq) == list(range(len(by_seq))), "a seq missing"
     happened: list[object] = []
@@ -416,8 +434,14 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     assert len(lines(started)) == len(lines(counted)) + 1
     # each client printed its run: its events as JSON lines, once each, ending with the final
     for shown, run in ((printed_calm, calm), (printed_crashed, crashed)):
-        assert [e["seq"] for e in shown] == sorted({e["seq"] for e in events[run]})
+        assert [e["seq"] for e in steps_of(shown)] == sorted(
+            {e["seq"] for e in steps_of(events[run])}
+        )
         assert shown[-1] == [e for e in events[run] if e["type"] == "harness_final"][0]
+        # the turns' text streamed as it came, through every kill: what each turn said, once
+        turns = {e["step"]: e["text"] for e in events[run] if e.get("kind") == "model"}
+        assert streamed(events[run]) == {k: t for k, t in turns.items() if t}
+        assert streamed(shown) == streamed(events[run])
     # replayed from its record, with the recorded tool results: the same run (where a record
     # differs, the report says where: tests/cli/test_replay_run.py)
     replayed = replay("--run-id", crashed, *kafka)

@@ -62,6 +62,7 @@ def test_all_schemas_are_exported_as_plain_json():
         "HarnessRequest",
         "HarnessStep",
         "HarnessFinal",
+        "HarnessDelta",
         "Approval",
     }
     for name, schema in SCHEMAS.items():
