@@ -293,6 +293,21 @@ def quantiles(values: list[float]) -> dict[str, float | None]:
     }
 
 
+def prefix_reuse(found: dict[str, list[tuple[int, dict]]], prefix: str) -> dict[str, Any]:
+    """How much of the later turns' prompts came from the prefix cache (their KV kept from the
+    turn before): cached over prompt tokens of every turn after a run's first."""
+    seen: dict[str, dict] = {}
+    for _, m in found[f"{prefix}.replies.harness"]:
+        if m.get("type") == "final" and m.get("request_id", "").rpartition(".m")[2] not in (
+            "",
+            "0",
+        ):
+            seen.setdefault(m["request_id"], m["usage"])
+    prompt = sum(u["prompt_tokens"] for u in seen.values())
+    cached = sum(u.get("cached_tokens", 0) for u in seen.values())
+    return {"turns": len(seen), "prompt_tokens": prompt, "cached_tokens": cached}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="default: the default model (overhead only)")
@@ -342,6 +357,7 @@ def main() -> None:
     ]
     found = asyncio.run(records(bootstrap, topics))
     cost = {k: quantiles(v) for k, v in overheads(found, prefix).items()}
+    reuse = prefix_reuse(found, prefix)
     turn_s = [f["wall_s"] / max(1, f["steps"]) for m in per_task.values() for f in m]
 
     print(f"\nharness on {len(chosen)} tasks, model {args.model or 'default'}, CPU {cpu_model()}")
@@ -366,6 +382,12 @@ def main() -> None:
         f"tool call round trip beyond the tool's time: median {trip['median']} ms, "
         f"p90 {trip['p90']} ms over {trip['n']} turns with calls"
     )
+    if reuse["prompt_tokens"]:
+        share = 100 * reuse["cached_tokens"] / reuse["prompt_tokens"]
+        print(
+            f"later turns' prompts from the prefix cache: {reuse['cached_tokens']} of "
+            f"{reuse['prompt_tokens']} tokens ({share:.0f} %, {reuse['turns']} turns)"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(
         json.dumps(
@@ -375,6 +397,7 @@ def main() -> None:
                 "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "modes": rows,
                 "overhead": cost,
+                "later_turns_prefix_reuse": reuse,
                 "median_turn_s": statistics.median(turn_s),
                 "tasks": per_task,
             },
