@@ -235,7 +235,9 @@ class Run:
 
     def on_clock(self, now: float) -> Outbox:
         out, s, self.now = Outbox(), self.state, now
-        if not self.done and now - s.started_at > s.request.timeout_s:
+        if self.done:
+            return out
+        if now - s.started_at > s.request.timeout_s:
             self._finish(out, "timeout")
             return out
         expired = [key for key, until in s.awaiting.items() if now > until]
