@@ -41,6 +41,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--no-sessions", action="store_true", help="no Redis: a run's session_id is not read"
     )
+    serve.add_argument(
+        "--keep-ended-s",
+        type=float,
+        default=3600.0,
+        help="forget a run this long after it ended: a request with its id is then a new run "
+        "(default 3600)",
+    )
     add_kafka_arguments(serve)
     serve.set_defaults(func=run_serve)
 
@@ -131,7 +138,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     sessions = None if args.no_sessions else (args.redis_url or redis_url())
     try:
-        asyncio.run(serve(bootstrap_from_args(args), args.topic_prefix, sessions))
+        asyncio.run(
+            serve(bootstrap_from_args(args), args.topic_prefix, sessions, args.keep_ended_s)
+        )
     except KeyboardInterrupt:
         return EXIT_OK
     return EXIT_OK

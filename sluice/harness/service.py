@@ -12,6 +12,8 @@ is served once, every tool call is answered once (a tool that is not idempotent 
 twice) and every run ends with one final.
 
 One service serves every run (it reads all partitions); a second one would share no state with it.
+A run that ended is kept (a repeat of its request gets its final again) for ``keep_ended_s``, then
+forgotten: its state is deleted from the topic and from memory.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PARTITIONS = 4
 PUBLISH_ATTEMPTS = 6  # a retriable error waited out over about 15 s
+KEEP_ENDED_S = 3600.0  # an ended run is kept this long (a repeat of it gets its final again)
 
 
 def harness_topics(prefix: str) -> dict[str, str]:
@@ -58,9 +61,19 @@ def harness_topics(prefix: str) -> dict[str, str]:
 
 
 class HarnessService:
-    def __init__(self, bootstrap_servers: str, prefix: str, redis_url: str | None = None):
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        prefix: str,
+        redis_url: str | None = None,
+        keep_ended_s: float = KEEP_ENDED_S,
+    ):
         self.bootstrap_servers = bootstrap_servers
         self.prefix = prefix
+        # An ended run is forgotten (its state deleted) this long after it ended: a request
+        # with its id after that is a new run. Like a dedup window, long enough for any retry.
+        self.keep_ended_s = keep_ended_s
+        self._next_sweep = 0.0
         # runs with a session_id continue its conversation and add themselves to it (none
         # without Redis: they run on their own messages)
         self.sessions = SessionStore(redis_url) if redis_url else None
@@ -167,6 +180,31 @@ class HarnessService:
         for machine in machines:
             if not machine.done:
                 await self._apply(machine, machine.on_clock(now))
+        if now >= self._next_sweep:
+            self._next_sweep = now + min(60.0, self.keep_ended_s)
+            await self._forget_ended(now)
+
+    async def _forget_ended(self, now: float) -> None:
+        """Drop the runs that ended more than `keep_ended_s` ago, from memory and from the state
+        topic (a tombstone). A verifier's sample goes after its verifier's run."""
+        assert self._states is not None
+        machines: list[Run | Vote] = [*self.runs.values(), *self.votes.values()]
+        old = [m for m in machines if m.done and now - m.state.ended_at > self.keep_ended_s]
+        forgotten = [
+            m.run_id for m in old if not (isinstance(m, Run) and m.state.sample_of in self.votes)
+        ]
+        if not forgotten:
+            return
+        await self._states.delete(*forgotten)
+        for run_id in forgotten:
+            self.runs.pop(run_id, None)
+            self.votes.pop(run_id, None)
+        log.info(
+            "forgot %d runs ended more than %.0f s ago (%d kept)",
+            len(forgotten),
+            self.keep_ended_s,
+            len(self.runs) + len(self.votes),
+        )
 
     async def _handle(self, topic: str, raw: bytes | None) -> None:
         now = time.time()
@@ -366,8 +404,13 @@ def _dumps(message: dict) -> str:
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
 
 
-async def serve(bootstrap_servers: str, prefix: str, redis_url: str | None = None) -> None:
-    service = HarnessService(bootstrap_servers, prefix, redis_url)
+async def serve(
+    bootstrap_servers: str,
+    prefix: str,
+    redis_url: str | None = None,
+    keep_ended_s: float = KEEP_ENDED_S,
+) -> None:
+    service = HarnessService(bootstrap_servers, prefix, redis_url, keep_ended_s)
     await service.start()
     try:
         await service.run()
