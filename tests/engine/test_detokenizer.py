@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import gguf
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,6 +11,7 @@ from hypothesis import strategies as st
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
 from sluice.engine.loader.default import default_model_path
+from sluice.engine.loader.gguf_file import GGUFFile
 from sluice.engine.tokenizer import Tokenizer
 
 GGUF_PATH = str(default_model_path())  # the default model: a requirement, installed by bootstrap
@@ -23,7 +23,7 @@ _SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(GGUF_PATH), GGUF_PATH)
+    return Tokenizer.from_gguf(GGUFFile(str(GGUF_PATH)), str(GGUF_PATH))
 
 
 def stream(tok, ids, stop=(), chunks=None, skip_special_tokens=True):

@@ -13,6 +13,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.engine import LLMEngine
 from sluice.engine.loader.default import default_model_path
 from sluice.engine.sampling_params import SamplingParams
+from tests.hf_reference import reference_model
 
 PROMPTS = [
     "The capital of France is",
@@ -29,13 +30,7 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = Path(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    return model.eval()
+    return reference_model(Path(default_model_path()), torch.float32)
 
 
 def test_greedy_48_tokens_equal_transformers_on_the_same_gguf(engine, hf_model):

@@ -29,6 +29,7 @@ from sluice.engine.loader import gguf as gguf_loader
 from sluice.engine.loader.gguf import SUPPORTED_TYPES, dequantize, permute_qk, unpermute_qk
 from sluice.engine.loader.gguf_blocks import int4_blocks
 from sluice.engine.rope import RotaryEmbedding, apply_rotary
+from tests.hf_reference import reference_model
 
 # --------------------------------------------------------------- reference block decoders (float64)
 
@@ -877,8 +878,6 @@ def test_gemma3_270m_greedy_tokens_match_transformers_gguf_loader(monkeypatch):
     import dataclasses
     import functools
 
-    from transformers import AutoModelForCausalLM
-
     from sluice.engine.config import EngineConfig
     from sluice.engine.engine import LLMEngine
     from sluice.engine.loader import catalog
@@ -904,9 +903,7 @@ def test_gemma3_270m_greedy_tokens_match_transformers_gguf_loader(monkeypatch):
 
     # Speed only: gguf's name map, which transformers rebuilds for each submodule
     monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    hf = reference_model(path, torch.float32)
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([GEMMA3_PROMPT]), max_new_tokens=GEMMA3_NEW_TOKENS, do_sample=False

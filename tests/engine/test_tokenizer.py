@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 
-import gguf
 import pytest
 import tokenizers
 import transformers
@@ -16,7 +15,9 @@ from hypothesis import strategies as st
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
 from sluice.engine.loader.default import default_model_path
+from sluice.engine.loader.gguf_file import GGUFFile
 from sluice.engine.tokenizer import Tokenizer
+from tests.hf_reference import reference_tokenizer
 
 # The default model is a requirement of the project (scripts/bootstrap.sh installs it): no skip.
 GGUF_PATH = default_model_path()
@@ -24,14 +25,12 @@ GGUF_PATH = default_model_path()
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(str(GGUF_PATH)), str(GGUF_PATH))
+    return Tokenizer.from_gguf(GGUFFile(str(GGUF_PATH)), str(GGUF_PATH))
 
 
 @pytest.fixture(scope="module")
 def theirs():
-    return transformers.AutoTokenizer.from_pretrained(
-        str(GGUF_PATH.parent), gguf_file=GGUF_PATH.name
-    )
+    return reference_tokenizer(GGUF_PATH)
 
 
 TEXTS = [

@@ -15,7 +15,9 @@ from tokenizers import models, normalizers, trainers
 from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import EngineError
 from sluice.engine.loader import catalog
+from sluice.engine.loader.gguf_file import GGUFFile
 from sluice.engine.tokenizer import Tokenizer
+from tests.hf_reference import reference_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -181,9 +183,8 @@ def gemma():
         path = catalog.locate("gemma3-270m")
     except EngineError as e:
         pytest.skip(f"the Gemma 3 270M file is not installed (sluice models pull gemma3-270m): {e}")
-    ours = Tokenizer.from_gguf(gguf.GGUFReader(str(path)), str(path))
-    theirs = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return ours, theirs
+    ours = Tokenizer.from_gguf(GGUFFile(str(path)), str(path))  # (the engine's own reader)
+    return ours, reference_tokenizer(path)
 
 
 @pytest.mark.slow
