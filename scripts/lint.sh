@@ -20,4 +20,6 @@ else
   .venv/bin/ruff format --check .
   clang-format --dry-run --Werror "${c_sources[@]}"
 fi
-.venv/bin/mypy
+# (its cache outside the checkout: a fresh clone, as CI's, checks only what changed since the
+# last run on this machine; mypy tells a cached module from a changed one by its content)
+.venv/bin/mypy --cache-dir "${XDG_CACHE_HOME:-$HOME/.cache}/sluice/mypy"
