@@ -305,22 +305,28 @@ async def _follow(consumer: Any, run_id: str, as_json: bool, wait: float) -> int
                 seen.add(name)
                 if as_json:
                     print(json.dumps(event, ensure_ascii=False), flush=True)
-                    continue
-                sample = f"[sample {of[len(run_id) + 2 :]}] " if of != run_id else ""
-                turn = (of, event.get("step", -1))
-                if delta:
-                    if turn not in streamed:
-                        streamed.add(turn)
-                        print(f"{sample}[turn {event['step']}] ", end="")
-                    print(event.get("text") or "", end="", flush=True)
-                elif event.get("kind") == "model" and turn in streamed:
-                    calls = [c["function"]["name"] for c in event.get("tool_calls") or []]
-                    print(f" -> calls {', '.join(calls)}" if calls else "", flush=True)
                 else:
-                    print(sample + _line(event), flush=True)
+                    _show(event, run_id, streamed)
                 if event.get("type") == "harness_final" and of == run_id:
                     return EXIT_OK if event["stop_reason"] == "answer" else EXIT_FAILED
     return EXIT_TIMEOUT
+
+
+def _show(event: dict[str, Any], run_id: str, streamed: set[tuple[str, int]]) -> None:
+    """Print an event as a line; a turn's deltas (--stream) as its text grows, on one line."""
+    of = event["run_id"]
+    sample = f"[sample {of[len(run_id) + 2 :]}] " if of != run_id else ""
+    turn = (of, event.get("step", -1))
+    if event.get("type") == "delta":
+        if turn not in streamed:
+            streamed.add(turn)
+            print(f"{sample}[turn {event['step']}] ", end="")
+        print(event.get("text") or "", end="", flush=True)
+    elif event.get("kind") == "model" and turn in streamed:  # (its text was shown as it came)
+        calls = [c["function"]["name"] for c in event.get("tool_calls") or []]
+        print(f" -> calls {', '.join(calls)}" if calls else "", flush=True)
+    else:
+        print(sample + _line(event), flush=True)
 
 
 def _how(candidate: dict[str, Any]) -> str:

@@ -106,10 +106,12 @@ class Run:
         return self.state.phase == "done"
 
     def remembered(self) -> list[dict[str, Any]] | None:
-        """The conversation its session keeps once it is done: all of it, up to the answer;
-        None when it keeps nothing (no session, or no answer)."""
+        """The conversation its session keeps once it is done: all of it, up to the model's last
+        words (an answer, one its judge rejected, or one cut by max_tokens, as a chat session
+        keeps a turn cut by its length); None when it keeps nothing (no session, or a run that
+        ended otherwise)."""
         s = self.state
-        if s.request.session_id is None or s.stop_reason != "answer":
+        if s.request.session_id is None or s.stop_reason not in LAST_WORDS:
             return None
         return s.messages + [{"role": "assistant", "content": s.last_text}]
 
@@ -452,6 +454,9 @@ def _traced(event: HarnessStep) -> dict[str, Any]:
         entry["result"] = {**result, "content": result["content"][:TRACED_CHARS] + " [...]"}
     return entry
 
+
+# The stop reasons of a run that ended on a turn of the model's calling nothing.
+LAST_WORDS = frozenset({"answer", "max_tokens", "rejected"})
 
 # What the model is told of a rejected answer, before it answers again.
 REJECTED = "Your answer was checked, and it did not pass:\n{feedback}\nCorrect it and answer again."

@@ -47,7 +47,7 @@ def test_a_run_without_a_session_or_an_answer_keeps_nothing():
     assert run.remembered()[-1]["content"] == "5" and run.final_event().history is None
     run, _ = Run.start(harness_request(session_id="chat-1", max_steps=1), TOPICS, now=0.0)
     run.on_model_event(turn("run-1.m0", calls=[("add", "{}")]), now=1.0)
-    assert run.remembered() is None  # (a run cut short: the session goes on without it)
+    assert run.remembered() is None  # (ended calling: the session goes on without it)
 
 
 def test_a_verifiers_samples_read_the_history_and_it_keeps_the_chosen_answer():

@@ -4,6 +4,8 @@ of inputs taken once, and each budget ending the run with its own stop reason.""
 
 from __future__ import annotations
 
+import json
+
 from sluice.harness.run import Run, RunState, Topics
 from sluice.schemas.events import FinalEvent
 from sluice.schemas.harness import HarnessFinal, HarnessRequest, HarnessStep
@@ -258,3 +260,39 @@ def test_a_streamed_runs_turn_passes_its_text_on_as_deltas_and_keeps_nothing():
     assert run.on_token_event(token("run-1.m1", 4, "x")).records == []
     assert run.on_token_event(token("run-1.m0", 4, "x", index=1)).records == []
     assert run.on_token_event(token("run-1.m0", 4, "")).records == []
+
+
+class _Records:
+    """What `sluice agent run` reads: the given events, as a consumer hands them out."""
+
+    def __init__(self, events: list[dict]):
+        self.batches = [{"tp": [type("R", (), {"value": json.dumps(e).encode()})]} for e in events]
+
+    async def getmany(self, timeout_ms: int):
+        return self.batches.pop(0) if self.batches else {}
+
+
+async def test_sluice_agent_run_follows_a_streamed_run_to_its_final_in_both_outputs(capsys):
+    from sluice.cli.agent import EXIT_OK, _follow
+
+    def delta(step: int, index: int, text: str) -> dict:
+        return {"type": "delta", "run_id": "run-1", "step": step, "index": index, "text": text}
+
+    run, _ = Run.start(harness_request(stream=True), TOPICS, now=0.0)
+    out = run.on_model_event(turn("run-1.m0", text="It is five, I think."), now=1.0)
+    ended = [m.model_dump() for _, _, m in out.records]
+    told = [delta(0, 1, "It is "), delta(0, 2, "five"), delta(0, 1, "It is "), *ended]
+    told.append({**ended[-1]})  # (a copy of the final)
+    for as_json in (False, True):
+        code = await _follow(_Records(told), "run-1", as_json, wait=5)
+        printed = capsys.readouterr().out.splitlines()
+        assert code == EXIT_OK  # (the final read: it does not wait on)
+        if as_json:  # each event once, the copies dropped, ending with the final
+            assert [json.loads(line)["type"] for line in printed] == [
+                "delta",
+                "delta",
+                "step",
+                "harness_final",
+            ]
+        else:  # the turn's text as it came, then the summary
+            assert printed[0] == "[turn 0] It is five" and printed[1].startswith("[answer: 1 turns")

@@ -66,7 +66,7 @@ def check(question: str, answer: str) -> str:
     with open(os.environ["JUDGED_FILE"], "a+") as f:
         f.seek(0)
         first = not f.read()
-        f.write(answer.replace("\n", " ") + "\n")
+        f.write(answer.replace("\\n", " ") + "\\n")
     if first:
         return json.dumps({"pass": False, "feedback": "Say it in fewer words."})
     return "true"
@@ -323,8 +323,8 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
         # two runs of one session: the second goes on from the first's conversation
         session = f"chat-{uuid.uuid4().hex[:8]}"
         remembered = []
-        for said in ("My name is Ada. Greet me.", "What is my name?"):
-            asked = {**best_of, "run_id": f"{session}-{len(remembered)}", "temperature": 0.0}
+        for i, said in enumerate(("My name is Ada. Greet me.", "What is my name?")):
+            asked = {**best_of, "run_id": f"{session}-{i}", "temperature": 0.0}
             asked |= {"messages": [{"role": "user", "content": said}], "session_id": session}
             del asked["verifier"]
             await publish(
@@ -391,7 +391,8 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     assert judged_final["answer"] == turns[1]["text"]
     assert lines(judged) == [t["text"].replace("\n", " ") for t in turns]
     first_run, second_run = [e for e in remembered if e["type"] == "harness_final"]
-    assert first_run["stop_reason"] == second_run["stop_reason"] == "answer", remembered
+    ended = {first_run["stop_reason"], second_run["stop_reason"]}
+    assert ended <= {"answer", "max_tokens"}, remembered  # (the model's last words: kept)
     assert first_run.get("history") is None and second_run["history"] == [
         {"role": "user", "content": "My name is Ada. Greet me."},
         {"role": "assistant", "content": first_run["answer"]},
