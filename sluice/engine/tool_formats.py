@@ -128,29 +128,36 @@ def partial_suffix(text: str, marker: str) -> int:
 _CALL_FENCES = frozenset({"", "json", "tool_call", "tool_code"})
 
 
-def _may_be_whole_json(text: str) -> bool:
-    """Whether an answer so far may still be one bare or fenced JSON value (then a view holds it
-    back until the answer ends)."""
+def _may_be_whole(text: str, openers: str = "{[", fences: frozenset[str] = _CALL_FENCES) -> bool:
+    """Whether an answer so far may still be one bare value (beginning with one of `openers`) or
+    one in a fence of one of `fences` (then a view holds it back until the answer ends)."""
     head = text.lstrip()
-    if not head or head[0] in "{[":
+    if not head or head[0] in openers:
         return True
     if not head.startswith("```"):
         return "```".startswith(head)
     line_end = head.find("\n")
     if line_end < 0:
         return True
-    return head[3:line_end].strip().lower() in _CALL_FENCES
+    return head[3:line_end].strip().lower() in fences
 
 
-def _whole_json(text: str) -> Any:
-    """The JSON value an answer consists of, bare or in one fence; None when it is not one."""
+def _unfenced(text: str) -> str | None:
+    """An answer's body: the answer, or what is inside its one fence; None for a fence not
+    closed."""
     body = text.strip()
     if body.startswith("```"):
         line_end = body.find("\n")
         if line_end < 0 or not body.endswith("```") or len(body) < line_end + 4:
             return None
         body = body[line_end + 1 : -3].strip()
-    return _decode(body)
+    return body
+
+
+def _whole_json(text: str) -> Any:
+    """The JSON value an answer consists of, bare or in one fence; None when it is not one."""
+    body = _unfenced(text)
+    return None if body is None else _decode(body)
 
 
 class Vocabulary(Protocol):
@@ -231,6 +238,16 @@ class ToolFormat(ABC):
         schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
         return {"x-guidance": _JSON_STYLE, **schema}
 
+    def _start(self, tools: Tools, calls: str, mark: str) -> str | None:
+        """The grammar's start: calls only where they must be made; otherwise any text, then calls,
+        where the calls' opening `mark` is a token of the model's own (text cannot spell it: the
+        token begins a call, and nothing else); None where it is not."""
+        if tools.constrained:
+            return f"start: {calls}"
+        if self.tokenizer is not None and self.tokenizer.is_added_token(mark):
+            return f"start: TEXT | TEXT {calls}\nTEXT: /(?s:.*)/"
+        return None
+
     @staticmethod
     def _calls(tools: Tools, one: str, separator: str) -> str:
         """Calls, and the separator after the last one too (then the end: a model writes the
@@ -268,7 +285,7 @@ class HermesFormat(ToolFormat):
                 calls.append(call)
             pos = end + len(self.CLOSE)
         rest = text[pos:]
-        if pos == 0 and _may_be_whole_json(text):
+        if pos == 0 and _may_be_whole(text):
             if not final:
                 return ToolView("")
             whole = _whole_json(text)
@@ -282,13 +299,8 @@ class HermesFormat(ToolFormat):
         return _settled("".join(content), calls, final)
 
     def grammar(self, tools: Tools) -> str | None:
-        calls = self._calls(tools, "call", "\n")
-        if tools.constrained:
-            start = f"start: {calls}"
-        elif self.tokenizer is not None and self.tokenizer.is_added_token(self.OPEN):
-            # (text cannot spell the tag's token: the token begins a call, and nothing else)
-            start = f"start: TEXT | TEXT {calls}\nTEXT: /(?s:.*)/"
-        else:
+        start = self._start(tools, self._calls(tools, "call", "\n"), self.OPEN)
+        if start is None:
             return None
         schema = json.dumps(self._call_schema(tools, "arguments"), ensure_ascii=False)
         return "\n".join(
@@ -395,12 +407,8 @@ class MistralFormat(ToolFormat):
             "minItems": 1,
             **({"maxItems": 1} if one else {}),
         }
-        calls = f"{self._literal(self.MARK)} body"
-        if tools.constrained:
-            start = f"start: {calls}"
-        elif self.tokenizer is not None and self.tokenizer.is_added_token(self.MARK):
-            start = f"start: TEXT | TEXT {calls}\nTEXT: /(?s:.*)/"
-        else:
+        start = self._start(tools, f"{self._literal(self.MARK)} body", self.MARK)
+        if start is None:
             return None
         return f"{start}\nbody: %json {json.dumps(schema, ensure_ascii=False)}"
 
@@ -410,28 +418,14 @@ class PythonicFormat(ToolFormat):
     _FENCES = frozenset({"", "tool_code", "python", "py"})
 
     def view(self, text: str, tools: Tools, final: bool) -> ToolView:
-        if self._may_be_calls(text.lstrip()):
+        if _may_be_whole(text, "[", self._FENCES):
             if not final:
                 return ToolView("")
-            calls = _python_calls(self._unfenced(text), tools.names)
+            body = _unfenced(text)
+            calls = _python_calls(body, tools.names) if body is not None else []
             if calls:
                 return ToolView("", tuple(calls))
         return ToolView(text)
-
-    def _may_be_calls(self, head: str) -> bool:
-        if not head or head[0] == "[":
-            return True
-        if not head.startswith("```"):
-            return "```".startswith(head)
-        line_end = head.find("\n")
-        return line_end < 0 or head[3:line_end].strip().lower() in self._FENCES
-
-    @staticmethod
-    def _unfenced(text: str) -> str:
-        body = text.strip()
-        if body.startswith("```") and body.endswith("```") and "\n" in body:
-            body = body[body.find("\n") + 1 : -3].strip()
-        return body
 
     def grammar(self, tools: Tools) -> str | None:
         if not tools.constrained:
