@@ -5,13 +5,14 @@ read from the Kafka records' timestamps: each move (from the record it read, a t
 or a tool's result, to the first record it published in answer) and each tool call's round trip
 beyond the tool's own time (harness → worker → harness, through Kafka).
 
-It starts the pipeline on `--model`, a worker of the python tool and the harness service against
-the stack at the usual addresses (`sluice stack up` first), runs the tasks one at a time, prints a
-table and writes JSON (bench/results/harness.json). Accuracy means something on a model that calls
-tools (Qwen2.5-Coder 1.5B: `sluice models pull qwen2.5-coder-1.5b`; about 10-25 s a turn on two
-cores); the overhead figures hold on any model, the default one included.
+It starts the pipeline on `--model`, workers of the python tool and the harness service against
+the stack at the usual addresses (`sluice stack up` first), runs the tasks (one at a time, or
+`--concurrency` in flight to fill the engine's batch), prints a table and writes JSON
+(bench/results/harness.json). Accuracy means something on a model that calls tools
+(Qwen2.5-Coder 1.5B: `sluice models pull qwen2.5-coder-1.5b`; about 10-25 s a turn on two cores);
+the overhead figures hold on any model, the default one included.
 
-    .venv/bin/python -m bench.harness --model qwen2.5-coder-1.5b --tasks 100
+    .venv/bin/python -m bench.harness --model qwen2.5-coder-1.5b --tasks 100 --concurrency 8
     .venv/bin/python -m bench.harness --tasks 10 --modes python      # overhead, default model
 """
 
@@ -86,13 +87,14 @@ def run_request(task: Task, mode: str, max_tokens: int) -> dict[str, Any]:
 class Services:
     """The pipeline, a python tool worker and the harness, as subprocesses logging to files."""
 
-    def __init__(self, model: str | None, prefix: str, logs: Path):
+    def __init__(self, model: str | None, prefix: str, logs: Path, tool_workers: int):
         kafka = ["--topic-prefix", prefix]
         run = ["run", "--no-sessions", *kafka] + (["--model", model] if model else [])
         self.started: list[subprocess.Popen] = []
         self.logs = logs
         self._start("pipeline", " up: reading ", run)
-        self._start("python", "serving python", ["tools", "serve", PYTHON_TOOL, *kafka])
+        for i in range(tool_workers):
+            self._start(f"python{i}", "serving python", ["tools", "serve", PYTHON_TOOL, *kafka])
         self._start("harness", "harness serving", ["agent", "serve", *kafka])
 
     def _start(self, name: str, ready: str, args: list[str]) -> None:
@@ -119,8 +121,11 @@ class Services:
                 proc.kill()
 
 
-async def run_all(bootstrap: str, prefix: str, requests: list[dict]) -> list[dict]:
-    """Ask for each run (or plain request) in turn; each one's final, as a harness final."""
+async def run_all(
+    bootstrap: str, prefix: str, requests: list[dict], concurrency: int
+) -> list[dict]:
+    """Ask for the runs (or plain requests), `concurrency` of them in flight at once, in order;
+    each one's final, as a harness final, with its own wall time."""
     alone = "request_id" in requests[0]
     ask, read = (
         (f"{prefix}.requests", f"{prefix}.replies.bench")
@@ -132,35 +137,41 @@ async def run_all(bootstrap: str, prefix: str, requests: list[dict]) -> list[dic
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
     await consumer.start()
     await producer.start()
-    finals = []
+    finals: dict[str, dict] = {}
+    started: dict[str, float] = {}  # in flight: name -> when it was asked
+    names = [body.get("run_id") or body["request_id"] for body in requests]
     try:
         tps = [TopicPartition(read, p) for p in range(4)]
         consumer.assign(tps)
         await consumer.seek_to_end(*tps)
         for tp in tps:
             await consumer.position(tp)
-        for n, body in enumerate(requests, 1):
-            name = body.get("run_id") or body["request_id"]
-            if alone:
-                body = {**body, "reply_topic": read}
-            started = time.monotonic()
-            await producer.send_and_wait(ask, json.dumps(body).encode(), key=name.encode())
-            final = None
-            while final is None:
-                for batch in (await consumer.getmany(timeout_ms=500)).values():
-                    for r in batch:
-                        final = final or _final_of(json.loads(r.value), name)
-            final["wall_s"] = time.monotonic() - started
-            finals.append(final)
-            print(
-                f"  [{n}/{len(requests)}] {name}: {final['stop_reason']}, "
-                f"{final['steps']} turns, {final['wall_s']:.1f} s",
-                flush=True,
-            )
+        waiting = list(zip(names, requests))
+        while len(finals) < len(requests):
+            while waiting and len(started) < concurrency:
+                name, body = waiting.pop(0)
+                if alone:
+                    body = {**body, "reply_topic": read}
+                started[name] = time.monotonic()
+                await producer.send_and_wait(ask, json.dumps(body).encode(), key=name.encode())
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                for r in batch:
+                    event = json.loads(r.value)
+                    for name in list(started):
+                        final = _final_of(event, name)
+                        if final is None:
+                            continue
+                        final["wall_s"] = time.monotonic() - started.pop(name)
+                        finals[name] = final
+                        print(
+                            f"  [{len(finals)}/{len(requests)}] {name}: {final['stop_reason']}, "
+                            f"{final['steps']} turns, {final['wall_s']:.1f} s",
+                            flush=True,
+                        )
     finally:
         await producer.stop()
         await consumer.stop()
-    return finals
+    return [finals[name] for name in names]
 
 
 def _final_of(event: dict, name: str) -> dict | None:
@@ -215,8 +226,7 @@ async def records(bootstrap: str, topics: list[str]) -> dict[str, list[tuple[int
 
 
 def overheads(found: dict[str, list[tuple[int, dict]]], prefix: str) -> dict[str, list[float]]:
-    """The harness's moves, and per tool call the round trip beyond the tool's own time (a
-    turn's calls from the first sent to the last answered, less the tools' time, shared out), in
+    """The harness's moves, and per tool call the round trip beyond the tool's own time, in
     ms."""
     first: dict[tuple[str, str], int] = {}  # (what, name) -> the first record's timestamp
 
@@ -246,13 +256,16 @@ def overheads(found: dict[str, list[tuple[int, dict]]], prefix: str) -> dict[str
     for key in results:
         run, step, _ = key.rsplit("/", 2)
         turns.setdefault((run, step), []).append(key)
+    # a call out and back, less the tool's own time and any wait behind another call its worker
+    # ran first (a worker runs its calls one at a time: that wait is the tools' capacity)
+    free: dict[str, int] = {}  # worker -> when its last answer was published
+    for key, (ts, m) in sorted(results.items(), key=lambda kv: kv[1][0]):
+        if ("call", key) in first:
+            began = max(first[("call", key)], free.get(m.get("worker", ""), 0))
+            trips.append(ts - began - 1000 * m.get("seconds", 0.0))
+        free[m.get("worker", "")] = ts
     for (run, step), keys in turns.items():
         last = max(results[k][0] for k in keys)
-        # the turn's calls out and back, less the tools' own time (one worker runs them in turn)
-        sent = [first[("call", k)] for k in keys if ("call", k) in first]
-        if len(sent) == len(keys):
-            tools_ms = sum(1000 * results[k][1].get("seconds", 0.0) for k in keys)
-            trips.append((last - min(sent) - tools_ms) / len(keys))
         # the turn's last result -> the next turn (or the final)
         after = first.get(("turn", f"{run}.m{int(step) + 1}")) or first.get(("final", run))
         if after is not None:
@@ -260,10 +273,11 @@ def overheads(found: dict[str, list[tuple[int, dict]]], prefix: str) -> dict[str
     return {"move_ms": moves, "tool_trip_ms": trips}
 
 
-def summary(mode: str, chosen: list[Task], finals: list[dict]) -> dict[str, Any]:
+def summary(mode: str, chosen: list[Task], finals: list[dict], seconds: float) -> dict[str, Any]:
+    """A mode's figures; `seconds` is its whole wall time, so that with several tasks in flight
+    the seconds per task are the machine's, not each task's latency (reported apart)."""
     solved = [f for t, f in zip(chosen, finals) if t.solved_by(f["answer"])]
     tokens = sum(f["completion_tokens"] for f in finals)
-    seconds = sum(f["wall_s"] for f in finals)
     return {
         "mode": mode,
         "tasks": len(finals),
@@ -274,6 +288,7 @@ def summary(mode: str, chosen: list[Task], finals: list[dict]) -> dict[str, Any]
         "tokens_per_solved": tokens / len(solved) if solved else None,
         "seconds_per_solved": seconds / len(solved) if solved else None,
         "seconds_per_task": seconds / len(finals),
+        "latency_s": quantiles([f["wall_s"] for f in finals]),
         "stop_reasons": {
             r: sum(f["stop_reason"] == r for f in finals)
             for r in {f["stop_reason"] for f in finals}
@@ -314,6 +329,13 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     parser.add_argument("--max-tokens", type=int, default=300, help="a turn's most tokens")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="tasks in flight at once (default 1; more fills the engine's batch: the accuracy is "
+        "the same kind of figure, the seconds per task become throughput)",
+    )
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     assert set(modes) <= set(MODES), modes
@@ -322,14 +344,16 @@ def main() -> None:
     logs = ROOT / ".sluice"
     logs.mkdir(exist_ok=True)
     chosen = tasks(args.tasks)
-    services = Services(args.model, prefix, logs)
+    # a worker per task in flight, up to the tool topic's 4 partitions: calls do not queue
+    services = Services(args.model, prefix, logs, min(args.concurrency, 4))
     rows, per_task = [], {}
     try:
         for mode in modes:
             print(f"{mode}: {len(chosen)} tasks", flush=True)
             requests = [run_request(t, mode, args.max_tokens) for t in chosen]
-            finals = asyncio.run(run_all(bootstrap, prefix, requests))
-            rows.append(summary(mode, chosen, finals))
+            began = time.monotonic()
+            finals = asyncio.run(run_all(bootstrap, prefix, requests, args.concurrency))
+            rows.append(summary(mode, chosen, finals, time.monotonic() - began))
             per_task[mode] = [
                 {
                     "task": t.id,
@@ -360,18 +384,23 @@ def main() -> None:
     reuse = prefix_reuse(found, prefix)
     turn_s = [f["wall_s"] / max(1, f["steps"]) for m in per_task.values() for f in m]
 
-    print(f"\nharness on {len(chosen)} tasks, model {args.model or 'default'}, CPU {cpu_model()}")
+    print(
+        f"\nharness on {len(chosen)} tasks ({args.concurrency} in flight), model "
+        f"{args.model or 'default'}, CPU {cpu_model()}"
+    )
     print(
         f"{'mode':18} {'accuracy':>9} {'turns':>6} {'calls':>6} {'tok/solved':>11} "
-        f"{'s/solved':>9} {'s/task':>7}"
+        f"{'s/solved':>9} {'s/task':>7} {'latency':>8}"
     )
     for r in rows:
         tok = f"{r['tokens_per_solved']:.0f}" if r["tokens_per_solved"] else "-"
         sec = f"{r['seconds_per_solved']:.1f}" if r["seconds_per_solved"] else "-"
         print(
             f"{r['mode']:18} {r['solved']:>4}/{r['tasks']:<4} {r['turns_per_task']:>6.2f} "
-            f"{r['tool_calls_per_task']:>6.2f} {tok:>11} {sec:>9} {r['seconds_per_task']:>7.1f}"
+            f"{r['tool_calls_per_task']:>6.2f} {tok:>11} {sec:>9} {r['seconds_per_task']:>7.1f} "
+            f"{r['latency_s']['median']:>8.1f}"
         )
+    print("(s/solved and s/task: the mode's wall time shared out; latency: a task's median, s)")
     move, trip = cost["move_ms"], cost["tool_trip_ms"]
     print(
         f"\nharness move (read → published): median {move['median']} ms, p90 {move['p90']} ms, "
@@ -380,7 +409,7 @@ def main() -> None:
     )
     print(
         f"tool call round trip beyond the tool's time: median {trip['median']} ms, "
-        f"p90 {trip['p90']} ms over {trip['n']} turns with calls"
+        f"p90 {trip['p90']} ms over {trip['n']} calls"
     )
     if reuse["prompt_tokens"]:
         share = 100 * reuse["cached_tokens"] / reuse["prompt_tokens"]
@@ -394,6 +423,7 @@ def main() -> None:
             {
                 "cpu": cpu_model(),
                 "model": args.model or "default",
+                "concurrency": args.concurrency,
                 "when": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "modes": rows,
                 "overhead": cost,
