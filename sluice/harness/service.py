@@ -32,6 +32,7 @@ from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
 from sluice.connectors.kafka_consumer import commit_or_skip
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
+from sluice.connectors.retriable import retrying
 from sluice.connectors.sessions import SessionStore, redact
 from sluice.connectors.topics import ensure_topics, partitions_of
 from sluice.harness.run import Outbox, Run, RunState, Topics
@@ -45,7 +46,6 @@ from sluice.schemas.tool_messages import ToolResultMessage
 log = logging.getLogger(__name__)
 
 PARTITIONS = 4
-PUBLISH_ATTEMPTS = 6  # a retriable error waited out over about 15 s
 KEEP_ENDED_S = 3600.0  # an ended run is kept this long (a repeat of it gets its final again)
 
 
@@ -374,30 +374,28 @@ class HarnessService:
 
     async def _keep(self, machine: Run | Vote) -> None:
         assert self._states is not None
-        await self._states.put({machine.run_id: machine.state.model_dump_json().encode()})
+        states, kept = self._states, {machine.run_id: machine.state.model_dump_json().encode()}
+        await retrying(lambda: states.put(kept), "keeping a run's state")
 
     async def _publish(self, records: list[tuple[str, str, BaseModel | dict[str, Any]]]) -> None:
         """Send, and return once Kafka has every record. A retriable error (a partition's leader
         moving, a broker restarting) is waited out: records sent again are taken once by their
         names; one that is not (a record over the size limit) is raised."""
         assert self._producer is not None
+        producer = self._producer
         values = [
             (topic, key, m.model_dump_json() if isinstance(m, BaseModel) else _dumps(m))
             for topic, key, m in records
         ]
-        for attempt in range(PUBLISH_ATTEMPTS):
-            try:
-                delivered = [
-                    await self._producer.send(topic, key=key, value=value.encode())
-                    for topic, key, value in values
-                ]
-                await asyncio.gather(*delivered)
-                return
-            except KafkaError as e:
-                if not e.retriable or attempt == PUBLISH_ATTEMPTS - 1:
-                    raise
-                log.warning("publishing failed (%s): trying again", e)
-                await asyncio.sleep(0.5 * 2**attempt)
+
+        async def send_all() -> None:
+            delivered = [
+                await producer.send(topic, key=key, value=value.encode())
+                for topic, key, value in values
+            ]
+            await asyncio.gather(*delivered)
+
+        await retrying(send_all, "publishing")
 
 
 def _dumps(message: dict) -> str:

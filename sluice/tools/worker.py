@@ -27,6 +27,7 @@ from sluice.connectors.changelog import TOPIC_CONFIG, Changelog
 from sluice.connectors.kafka_consumer import commit_or_skip
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import kafka_client_options
+from sluice.connectors.retriable import retrying
 from sluice.connectors.topics import ensure_topics
 from sluice.schemas.tool_messages import ToolCallMessage, ToolFailure, ToolResultMessage
 from sluice.tools.registry import InvalidArguments, Toolbox, ToolError
@@ -148,18 +149,33 @@ class ToolWorker:
             result = ToolResultMessage.model_validate(state["answer"])
         else:
             result = await self._answer(call, started_before=state is not None)
-            answer = json.dumps({"answer": result.model_dump()}).encode()
-            await self._answers.put({call.key: answer})
+            await self._keep(call.key, {"answer": result.model_dump()})
         topic = call.reply_topic or results_topic(self.prefix)
-        try:
-            delivered = await self._producer.send(
-                topic, key=call.request_id, value=result.model_dump_json().encode()
+        producer = self._producer
+
+        async def send() -> None:
+            await (
+                await producer.send(
+                    topic, key=call.request_id, value=result.model_dump_json().encode()
+                )
             )
-            await delivered
+
+        try:
+            if topic == results_topic(self.prefix):  # made by this worker: faults pass
+                await retrying(send, f"answering call {call.key}")
+            else:  # a caller's topic, which may not exist: one try
+                await send()
         except KafkaError as e:  # (a reply topic that cannot take it: the call is lost to it)
             log.error("call %s: its answer could not be sent to %s: %s", call.key, topic, e)
             return
         self.served += 1
+
+    async def _keep(self, key: str, state: dict) -> None:
+        """A call's state in the answers topic, through Kafka's passing faults (a key written
+        twice holds the same value)."""
+        assert self._answers is not None
+        answers, value = self._answers, {key: json.dumps(state).encode()}
+        await retrying(lambda: answers.put(value), f"keeping call {key}")
 
     async def _answer(self, call: ToolCallMessage, started_before: bool) -> ToolResultMessage:
         assert self._answers is not None
@@ -194,7 +210,7 @@ class ToolWorker:
                 "interrupted",
             )
         if not tool.idempotent:
-            await self._answers.put({call.key: json.dumps({"started": self.worker_id}).encode()})
+            await self._keep(call.key, {"started": self.worker_id})
         started = time.monotonic()
         try:
             content = await asyncio.to_thread(tool, call.arguments)
