@@ -74,10 +74,9 @@ def test_the_thread_count_changes_no_bit(dtype):
         assert torch.equal(many, results[0][0]) and torch.equal(one, results[0][1])
 
 
-def test_an_avx2_build_gives_the_same_float32_bits(monkeypatch, tmp_path):
+def test_an_avx2_build_gives_the_same_float32_bits(monkeypatch):
     wanted = {shape: check_against_float64(*shape, torch.float32) for shape in SHAPES}
-    monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # (kept in the cache, keyed by the flags)
     monkeypatch.setenv("SLUICE_NATIVE_CFLAGS", "-mno-avx512f")
     assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
     for shape, want in wanted.items():

@@ -209,7 +209,7 @@ def test_bfloat16_queries(hkv, group, d, quant, window):
         assert (err <= f64.abs() * 2.0**-8 + 1e-5).all(), err.max()
 
 
-def test_bfloat16_without_the_dot_instruction(monkeypatch, tmp_path):
+def test_bfloat16_without_the_dot_instruction(monkeypatch):
     """Built without AVX512-BF16's instructions (as on CPUs that lack them), bfloat16 blocks are
     widened to float32 first and roundings done in integer arithmetic; decode, prefill and the
     layer ops keep the same bounds."""
@@ -219,8 +219,7 @@ def test_bfloat16_without_the_dot_instruction(monkeypatch, tmp_path):
     )
     from test_paged_prefill_cpu import test_bfloat16_queries as prefill_bfloat16_queries
 
-    monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setenv("SLUICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_state", {})  # (kept in the cache, keyed by the flags)
     monkeypatch.setenv("SLUICE_NATIVE_CFLAGS", "-DSLUICE_NO_BF16_DOT")
     assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
     test_bfloat16_queries(2, 8, 128, None, 37)
