@@ -54,7 +54,7 @@ from sluice.actors.tokenizer_actor import TokenizerActor
 from sluice.actors.transport import KafkaSink
 from sluice.connectors.changelog import TOPIC_CONFIG as CHANGELOG_CONFIG
 from sluice.connectors.changelog import Changelog
-from sluice.connectors.kafka_consumer import RequestConsumer
+from sluice.connectors.kafka_consumer import MembershipLost, RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.kafka_security import (
     KafkaRefused,
@@ -125,6 +125,10 @@ class PipelineConfig:
     partitions: int = 4
     group: str = "sluice"
     max_in_flight: int = 64  # unfinished requests per process before its input pauses
+    # Kafka's static membership (group.instance.id): a process restarted under the same id
+    # takes its partitions back at once instead of after the dead member's session timeout.
+    group_instance_id: str | None = None
+    session_timeout_ms: int = 10_000  # a silent member is dropped from the group after this
     session_ttl_s: int = 3600
     redis_outage_wait_s: float = 30.0  # how long session turns wait for Redis to come back
     metrics_port: int | None = None
@@ -324,6 +328,8 @@ class Pipeline:
             pattern=tenant_topics_pattern(t.requests) if per_tenant else None,
             metadata_max_age_ms=METADATA_REFRESH_MS,
             group_id=group,
+            group_instance_id=c.group_instance_id,
+            session_timeout_ms=c.session_timeout_ms,
             bootstrap_servers=c.bootstrap_servers,
             max_in_flight=c.max_in_flight,
             drain_timeout=c.drain_timeout_s,
@@ -747,6 +753,9 @@ async def run_pipeline(config: PipelineConfig, role: str | None = None) -> int:
     except (RedisRefused, KafkaRefused, KafkaSecurityError) as exc:
         log.critical("%s", exc)
         return 2
+    except MembershipLost as exc:
+        log.critical("%s; exiting", exc)
+        return 1
     if pipeline.system.failure is not None:  # an actor failed while shutting down
         log.critical("%s during shutdown; exiting", pipeline.system.failure)
         return 1

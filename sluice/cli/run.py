@@ -78,6 +78,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-sessions", action="store_true", help="do not use Redis")
     parser.add_argument("--group", default="sluice", help="consumer group (roles append -ROLE)")
     parser.add_argument(
+        "--group-instance-id",
+        metavar="ID",
+        help="Kafka's static membership (group.instance.id): restarted under the same ID, the "
+        "process takes its partitions back at once instead of after --session-timeout-ms; give "
+        "each process its own ID and keep it across restarts (a pod's name in a StatefulSet). "
+        "Default: none (a restart waits for the dead member's session to expire)",
+    )
+    parser.add_argument(
+        "--session-timeout-ms",
+        type=int,
+        default=10_000,
+        metavar="MS",
+        help="Kafka's session.timeout.ms: a member silent this long is dropped from the group "
+        "and its partitions handed on (default 10000; the broker allows 6000-1800000 unless "
+        "configured otherwise)",
+    )
+    parser.add_argument(
         "--partitions", type=int, default=4, help="partitions of topics this creates"
     )
     parser.add_argument(
@@ -225,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         topics=topics_from_args(args),
         partitions=args.partitions,
         group=args.group,
+        group_instance_id=args.group_instance_id,
+        session_timeout_ms=args.session_timeout_ms,
         max_in_flight=args.max_in_flight,
         session_ttl_s=args.session_ttl,
         redis_outage_wait_s=args.redis_outage_wait_s,

@@ -23,6 +23,13 @@ Around that core:
   explicit seek: a record fetched across the rebalance and dropped is read again, never skipped
   (a skipped record would be lost as soon as a later one is committed).
 * Shutdown: `stop()` stops fetching, waits for in-flight records (bounded), commits and leaves.
+* Static membership (`group_instance_id`, Kafka's group.instance.id): a member restarted under
+  the same id takes its partitions back at once, without waiting for the dead one's session to
+  expire, and a static member does not leave on `stop()`. Two live processes under one id would
+  take the place from each other on every heartbeat (aiokafka's heartbeats do not carry the id, so
+  the broker answers "unknown member" rather than "fenced"): a member whose place is taken twice
+  within `REPEATED_LOSS_S` stops fetching and raises `MembershipLost`; once is a stall or a broker
+  restart, and it joins again.
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ from sluice.connectors.offsets import OffsetTracker
 from sluice.connectors.settings import kafka_bootstrap_servers
 
 log = logging.getLogger(__name__)
+
+# A static member that loses its place twice within this many seconds shares its id with another
+# live process (one loss alone may be a stall past the session timeout).
+REPEATED_LOSS_S = 60.0
+
+
+class MembershipLost(RuntimeError):
+    """Another live process uses this member's group instance id."""
 
 
 class _PartitionState:
@@ -109,6 +124,11 @@ class RequestConsumer:
         **kafka_options: Any,
     ) -> None:
         self.topics = [topics] if isinstance(topics, str) else list(topics)
+        self.group_id = group_id
+        self.group_instance_id = group_instance_id
+        self._member: str | None = None  # the member id of the last assignment
+        self._lost_at: float | None = None  # when a static member last found its place taken
+        self._taken: MembershipLost | None = None  # set: its place is another process's
         # A regex of topic names to read instead of `topics` (topics made later are found at the
         # next metadata refresh: metadata_max_age_ms).
         self.pattern = pattern
@@ -153,7 +173,8 @@ class RequestConsumer:
             auto_offset_reset=auto_offset_reset,
             max_poll_records=max_poll_records,
             session_timeout_ms=session_timeout_ms,
-            heartbeat_interval_ms=heartbeat_interval_ms,
+            # a third of the session at most (Kafka's advice), so a short session still holds
+            heartbeat_interval_ms=min(heartbeat_interval_ms, session_timeout_ms // 3),
             max_poll_interval_ms=max_poll_interval_ms,
             rebalance_timeout_ms=rebalance_timeout_ms,
             **{**kafka_client_options(), **kafka_options},
@@ -223,6 +244,12 @@ class RequestConsumer:
             )
         self._parts.clear()
         self._closed = True
+        if self._taken is not None:
+            # its coordinator is held in _on_revoked (a join would take the place back), and
+            # aiokafka's stop() waits for it to end by itself: end it here
+            routine = self._consumer._coordinator._coordination_task
+            routine.cancel()
+            await asyncio.gather(routine, return_exceptions=True)
         await self._consumer.stop()
         log.info("consumer stopped (%d commits, %d abandoned)", self.commits, self.abandoned)
 
@@ -275,6 +302,8 @@ class RequestConsumer:
         if self._consumer is None:
             raise RuntimeError("RequestConsumer.start() was not called")
         timeout = self.poll_timeout if timeout is None else timeout
+        if self._taken is not None:
+            raise self._taken
         if self._stopping or self._closed:
             # Still wait: a caller's `while True: await poll()` must not starve the loop that
             # runs stop(). Loops should end on `consumer.stopping`.
@@ -457,6 +486,13 @@ class RequestConsumer:
         self._rebalancing = True
         self._apply_pause()
         self._drop_buffered(revoked)
+        if self._place_taken():
+            # Not ours any more: nothing is committed, and the coordinator is held here (no
+            # join that would take the place back) until stop() ends it.
+            self.abandoned += sum(s.tracker.in_flight for s in self._parts.values())
+            self._parts.clear()
+            self._changed.set()
+            await asyncio.Event().wait()
         states = [self._parts[tp] for tp in revoked if tp in self._parts]
         if not states:
             return  # the first join "revokes" the empty assignment
@@ -510,6 +546,7 @@ class RequestConsumer:
             starts[tp] = await self._start_position(tp)
         self._generation += 1
         self.assignments += 1
+        self._member = self._member_id()
         for tp in list(self._parts):
             if tp not in assigned:  # left over from a revocation that did not run
                 self._parts.pop(tp)
@@ -531,6 +568,34 @@ class RequestConsumer:
             self._generation,
             ", ".join(f"{tp.topic}:{tp.partition}" for tp in sorted(assigned)) or "none",
         )
+
+    def _member_id(self) -> str:
+        # aiokafka keeps it on its coordinator only ("" until joined, and after it was lost)
+        coordinator = getattr(self._consumer, "_coordinator", None)
+        return getattr(coordinator, "member_id", "") or ""
+
+    def _place_taken(self) -> bool:
+        """A static member that had joined and is about to join again without its member id
+        (the broker did not know it any more): a stall, or another process under its id. The
+        second time within REPEATED_LOSS_S, sets `_taken` and answers True."""
+        if self.group_instance_id is None or self._member is None or self._member_id():
+            return False
+        now = time.monotonic()
+        repeated = self._lost_at is not None and now - self._lost_at < REPEATED_LOSS_S
+        self._lost_at = now
+        if not repeated:
+            log.warning(
+                "group %s no longer knew this member (instance %s): joining again",
+                self.group_id,
+                self.group_instance_id,
+            )
+            return False
+        self._taken = MembershipLost(
+            f"group {self.group_id}: this member's place (group instance id "
+            f"{self.group_instance_id!r}) was taken twice within {REPEATED_LOSS_S:.0f} s: another "
+            "live process runs under the same id; give each process its own"
+        )
+        return True
 
     async def _start_position(self, tp: TopicPartition) -> int | None:
         """Seek `tp` to where this member should read it from; return that offset."""

@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from sluice.connectors.kafka_consumer import RequestConsumer
+from sluice.connectors.kafka_consumer import MembershipLost, RequestConsumer
 from sluice.connectors.kafka_producer import EventProducer
 from sluice.connectors.topics import delete_topics_with_prefix, ensure_topics
 
@@ -453,6 +453,55 @@ async def test_stop_waits_for_in_flight_records_then_commits(bootstrap_servers):
     await c.stop()
     assert finisher.done() and c.abandoned == 0
     assert await group_offsets(bootstrap_servers, group) == {0: 5}
+
+
+async def test_two_live_members_under_one_instance_id_end_with_one_stopped_and_named(
+    bootstrap_servers,
+):
+    """aiokafka lets two processes under one group.instance.id take the place from each other on
+    every heartbeat, both reading the same partitions; the consumer stops one of them with
+    MembershipLost, and the other goes on reading its records."""
+    topic, group = await new_topic(bootstrap_servers, 2), unique("group")
+    await produce(bootstrap_servers, topic, 4, partitions=2)
+    first = consumer(bootstrap_servers, topic, group, group_instance_id="runner-1")
+    second = consumer(bootstrap_servers, topic, group, group_instance_id="runner-1")
+    await first.start()
+    for record in await poll_n(first, 4):
+        first.done(record)
+    await second.start()
+    lost: dict[str, MembershipLost] = {}
+    read = {"first": 0, "second": 0}
+
+    async def keep_polling(name: str, member: RequestConsumer) -> None:
+        try:
+            while True:
+                for record in await member.poll():
+                    member.done(record)
+                    read[name] += 1
+        except MembershipLost as e:
+            lost[name] = e
+
+    tasks = [
+        asyncio.ensure_future(keep_polling(n, m)) for n, m in (("first", first), ("second", second))
+    ]
+    try:
+        await wait_for(lambda: lost, 45, "a member to find its id shared")
+        await asyncio.sleep(8)  # more than a session: the one left keeps its place
+        assert len(lost) == 1, lost
+        assert "runner-1" in str(next(iter(lost.values())))
+        name = "second" if "first" in lost else "first"
+        survivor = second if name == "second" else first
+        assert not tasks[0 if survivor is first else 1].done()
+        assert len(survivor.assignment()) == 2
+        before = read[name]
+        await produce(bootstrap_servers, topic, 2, partitions=2, start=4)
+        await wait_for(lambda: read[name] >= before + 2, 20, "the survivor to read on")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for member in (first, second):
+            await member.stop(drain=False)
 
 
 async def test_static_member_restarting_with_its_instance_id_resumes(bootstrap_servers):

@@ -3,7 +3,8 @@ generation, greedy, seeded and unseeded sampled requests alike, in both delivery
 was published stays what the request goes on with: no (request_id, seq) ever carries two different
 contents, the tokens in seq order are the final event's text, and every request gets one final.
 With exactly-once delivery a read_committed consumer sees every (request_id, seq) exactly once,
-with no gaps. Driven by a plain aiokafka client (sluice.testing.pipeline_harness)."""
+with no gaps, and the restarted process, a static member of its group, takes its partitions back
+at once. Driven by a plain aiokafka client (sluice.testing.pipeline_harness)."""
 
 from __future__ import annotations
 
@@ -87,10 +88,17 @@ async def test_two_sigkills_mid_generation_resume_every_stream(
     ids = {b["request_id"] for b in bodies}
     lengths = {b["request_id"]: b["max_tokens"] for b in bodies}
     processes: list[PipelineProcess] = []
+    # Exactly-once runs as a static member (Kafka's group.instance.id) with a session of two
+    # minutes: a restart must take its partitions back at once, not after the dead one's session.
+    static = (
+        ["--group-instance-id", "the-runner", "--session-timeout-ms", "120000"]
+        if exactly_once
+        else []
+    )
 
     def start(name: str) -> PipelineProcess:
         process = PipelineProcess(
-            bootstrap_servers, None, prefix, tmp_path, "--delivery", delivery, name=name
+            bootstrap_servers, None, prefix, tmp_path, "--delivery", delivery, *static, name=name
         )
         processes.append(process)
         process.wait_ready()
@@ -113,6 +121,7 @@ async def test_two_sigkills_mid_generation_resume_every_stream(
 
                 await watcher.wait_for(enough, 240, f"{finals_before_kill} finals")
                 current.kill()
+                killed = time.monotonic()
                 if not exactly_once:  # (read_committed waits for the dead transaction's abort)
                     await watcher.caught_up()
                 partial = {
@@ -121,7 +130,17 @@ async def test_two_sigkills_mid_generation_resume_every_stream(
                     if watcher.streams.events[rid] and not watcher.streams.finals(rid)
                 }
                 partial_before_kill.append(partial)
+                seen = sum(len(e) for e in watcher.streams.events.values())
                 current = start(f"after-kill-{len(partial_before_kill)}")
+                if static:
+                    # before the killed member's session (120 s) could have expired: a dynamic
+                    # member is handed no partition until then
+
+                    def resumed(s: Streams, seen=seen) -> bool:
+                        return sum(len(e) for e in s.events.values()) > seen
+
+                    left = killed + 100 - time.monotonic()
+                    await watcher.wait_for(resumed, left, "an event within 100 s of the kill")
             streams = await watcher.wait_finals(ids, timeout=300)
         assert await committed_everything(bootstrap_servers, f"{prefix}.requests", prefix)
         code = current.stop()

@@ -234,7 +234,10 @@ async def test_a_run_through_sigkills_of_every_process_ends_as_an_uninterrupted_
     }
 
     def new_pipeline() -> PipelineProcess:
-        return PipelineProcess(bootstrap_servers, None, prefix, tmp_path, "--deterministic")
+        # a static member: each restart takes the partitions back without waiting for the
+        # killed one's session to expire
+        flags = ["--deterministic", "--group-instance-id", "harness-test-pipeline"]
+        return PipelineProcess(bootstrap_servers, None, prefix, tmp_path, *flags)
 
     def new_worker() -> Service:
         serving = ["toolmod:visit", "toolmod:poison", "toolmod:score", "toolmod:check"]
