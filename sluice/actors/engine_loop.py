@@ -95,6 +95,9 @@ class EngineLoop:
                 priority=request.priority,
                 cache_salt=request.tenant,
                 resume=admission.resume,
+                keep_kv=(
+                    (request.keep_kv.key, request.keep_kv.seconds) if request.keep_kv else None
+                ),
             )
         except EngineError as exc:
             self._prefill_only.pop(request.request_id, None)

@@ -81,6 +81,12 @@ class Metrics:
         self.preemptions = Gauge(
             "sluice_preemptions", "Sequences preempted (recomputed) so far.", ["runner"], registry=r
         )
+        self.kv_pinned_blocks = Gauge(
+            "sluice_kv_pinned_blocks",
+            "KV blocks of finished turns kept for their next turn (keep_kv).",
+            ["runner"],
+            registry=r,
+        )
         self.consumer_lag = Gauge(
             "sluice_consumer_lag",
             "Records behind the end of the partition.",

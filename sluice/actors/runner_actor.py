@@ -522,6 +522,7 @@ class RunnerActor(Actor):
         self.metrics.kv_cache_usage.labels(self.runner_id).set(stats["kv_cache_usage"])
         self.metrics.prefix_hit_rate.labels(self.runner_id).set(stats["prefix_cache_hit_rate"])
         self.metrics.preemptions.labels(self.runner_id).set(stats["num_preemptions"])
+        self.metrics.kv_pinned_blocks.labels(self.runner_id).set(stats["num_pinned_kv_blocks"])
         self.metrics.queue_depth.labels("runner").set(len(self._tracked))
 
     # -- step results -> messages --------------------------------------------------------------

@@ -13,13 +13,19 @@ keys (the sequence's `cache_salt`, so tenants never share KV). A new sequence fi
 longest chain of registered blocks and starts computing after them. Blocks are reference counted;
 a block whose count drops to 0 keeps its hash and stays findable until its space is needed.
 Free blocks without a hash are handed out first, then cached ones in least-recently-freed order.
+
+Pins: a finished sequence asked to keep its KV (`Sequence.keep_kv`, a key and seconds: a harness
+turn whose tools are running, its next turn about to extend the same conversation) keeps its
+cached blocks referenced under its key, so no eviction takes them, until the next sequence with
+that key has taken its prefix, the time runs out, or the scheduler needs the room for running
+sequences (oldest pin first). At most half the cache is pinned.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence as _Seq
 
 from sluice.engine.kv_events import KvEventLog
@@ -79,6 +85,10 @@ class BlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.kv_events: KvEventLog | None = None  # set by whoever publishes the cache's changes
+        # (cache salt, key) -> (blocks, until: time.monotonic()), oldest first; and how many
+        # pins reference each pinned block
+        self._pins: OrderedDict[tuple[str | None, str], tuple[list[int], float]] = OrderedDict()
+        self._pin_refs: Counter[int] = Counter()
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -191,6 +201,8 @@ class BlockManager:
                     del self._free_cached[block]
                 self.ref_counts[block] += 1
             seq.block_table = list(hits)
+            if seq.keep_kv is not None:  # its prefix is its own now: the pin has done its work
+                self._unpin((seq.cache_salt, seq.keep_kv[0]))
             seq.num_committed_blocks = len(hits)  # hit blocks are registered already
             seq.num_computed_tokens = len(hits) * self.block_size
             if self.enable_prefix_caching:
@@ -228,15 +240,72 @@ class BlockManager:
         """
         table = seq.block_table
         for block in reversed(table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.enable_prefix_caching and self.block_hash[block] is not None:
-                    self._free_cached[block] = None
-                else:
-                    self._free_plain.append(block)
+            self._unref(block)
         seq.block_table = []
         seq.num_committed_blocks = 0
         return table
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.enable_prefix_caching and self.block_hash[block] is not None:
+                self._free_cached[block] = None
+            else:
+                self._free_plain.append(block)
+
+    # --- pins: a finished seq's KV kept for the next turn -------------------------------------
+    def pin(self, seq: Sequence, until: float) -> None:
+        """Keep the cached chain of `seq` (finished, asking `keep_kv`, still holding its blocks:
+        call before `free`) referenced until `until` (time.monotonic()), replacing the pin its
+        key had."""
+        if not self.enable_prefix_caching or seq.keep_kv is None:
+            return
+        key = (seq.cache_salt, seq.keep_kv[0])
+        self._unpin(key)
+        chain = []
+        for block in seq.block_table[: seq.num_committed_blocks]:
+            h = self.block_hash[block]
+            if h is None or self._hash_to_block.get(h) != block:
+                break  # a copy nobody finds (another seq registered the block first)
+            chain.append(block)
+        if not chain:
+            return
+        for block in chain:
+            self.ref_counts[block] += 1
+            self._pin_refs[block] += 1
+        self._pins[key] = (chain, until)
+        while len(self._pin_refs) > self.num_usable_blocks // 2 and self.drop_oldest_pin():
+            pass
+
+    def _unpin(self, key: tuple[str | None, str]) -> None:
+        pinned = self._pins.pop(key, None)
+        if pinned is None:
+            return
+        for block in reversed(pinned[0]):  # (tail first, as free() does)
+            self._pin_refs[block] -= 1
+            if not self._pin_refs[block]:
+                del self._pin_refs[block]
+            self._unref(block)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pin_refs)
+
+    @property
+    def num_pin_only_blocks(self) -> int:
+        """Pinned blocks that no running seq holds: what dropping every pin would free."""
+        return sum(1 for b, n in self._pin_refs.items() if self.ref_counts[b] == n)
+
+    def drop_oldest_pin(self) -> bool:
+        """Release the oldest pin; False when there is none."""
+        if not self._pins:
+            return False
+        self._unpin(next(iter(self._pins)))
+        return True
+
+    def release_expired_pins(self, now: float) -> None:
+        for key in [k for k, (_, until) in self._pins.items() if until <= now]:
+            self._unpin(key)
 
     # --- blocks computed elsewhere (prefill/decode separation) -------------------------------
     def cached_chain(self, hashes: _Seq[bytes]) -> list[int]:

@@ -192,8 +192,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         resume: Mapping[int, Seq[int]] | None = None,
+        keep_kv: tuple[str, float] | None = None,
     ) -> str:
         """Queue a request; returns its id. Give exactly one of prompt, prompt_token_ids, messages.
+
+        keep_kv: (key, seconds): once it ends, its KV stays pinned in the prefix cache under the
+        key for up to that long, or until the next request with the key has taken its prefix.
 
         resume: for a request taken up again, the output token ids each completion (by index)
         already produced; it continues after them (see the module docstring). Pass the seed it ran
@@ -223,6 +227,7 @@ class LLMEngine:
                 arrival_time=now,
                 cache_salt=cache_salt,
                 index=index,
+                keep_kv=keep_kv,
             )
             return self.outputs.new_sequence(seq, params, seed)
 

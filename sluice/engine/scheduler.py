@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from sluice.engine.config import EngineConfig
 
 
+# How a seq ends that pins its KV when it asks to: it finished its answer (not given up)
+_KEEPS_KV = (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH)
+
+
 def _key(seq: Sequence) -> tuple[int, float, int]:
     return (seq.priority, seq.arrival_time, seq.seq_id)
 
@@ -163,6 +167,8 @@ class BatchScheduler:
         if seq.is_finished:
             return
         self._remove(seq)
+        if seq.keep_kv is not None and status in _KEEPS_KV:
+            self.block_manager.pin(seq, time.monotonic() + seq.keep_kv[1])
         self._release(seq, self._pending_copies)
         seq.finish(status, now, stop_reason)
 
@@ -205,6 +211,7 @@ class BatchScheduler:
             "prefix_cache_query_tokens": bm.prefix_query_tokens,
             "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
             "num_preemptions": self.num_preemptions,
+            "num_pinned_kv_blocks": bm.num_pinned_blocks,
         }
 
     # --- one step ---------------------------------------------------------------------------
@@ -212,6 +219,7 @@ class BatchScheduler:
         """The next batch; of the sequences of the requests in `only`, when given (the others
         wait, untouched: how the engine narrows down a fault)."""
         bm = self.block_manager
+        bm.release_expired_pins(time.monotonic())
         copies, self._pending_copies = self._pending_copies, []
         chosen: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, n), in scheduling order
         preempted: list[Sequence] = []
@@ -230,15 +238,21 @@ class BatchScheduler:
             self.num_preemptions += 1
 
         def freeable_for(seq: Sequence) -> int:
-            """Free blocks plus those that preempting every lower-priority running seq releases."""
+            """Free blocks plus those that dropping the pins and preempting every lower-priority
+            running seq release."""
             lower = (v for v in self.running if _key(v) > _key(seq))
-            return bm.num_free_blocks + sum(
-                1 for v in lower for b in v.block_table if bm.ref_counts[b] == 1
+            return (
+                bm.num_free_blocks
+                + bm.num_pin_only_blocks
+                + sum(1 for v in lower for b in v.block_table if bm.ref_counts[b] == 1)
             )
 
         def make_room(seq: Sequence, n: int) -> bool:
-            """Preempt running seqs of lower priority than `seq` until n new tokens fit."""
+            """Drop pins, then preempt running seqs of lower priority than `seq`, until n new
+            tokens fit."""
             while not bm.can_allocate(seq, n):
+                if bm.drop_oldest_pin():
+                    continue
                 victim = self.running[-1] if self.running else None
                 if victim is None or victim is seq or _key(victim) < _key(seq):
                     return False
@@ -256,9 +270,10 @@ class BatchScheduler:
                 continue  # preempted for a seq scheduled before it
             n = min(seq.num_uncomputed_tokens, budget)
             if not bm.can_allocate(seq, n):
-                # A shorter prefill chunk that fits the free blocks beats preempting anyone.
+                # A shorter prefill chunk that fits the free blocks (pinned ones count: a running
+                # seq comes first) beats preempting anyone.
                 room = (
-                    len(seq.block_table) + bm.num_free_blocks
+                    len(seq.block_table) + bm.num_free_blocks + bm.num_pin_only_blocks
                 ) * bm.block_size - seq.num_computed_tokens
                 n = max(1, min(n, room))
             if make_room(seq, n):

@@ -76,6 +76,7 @@ class Sequence:
         cache_salt: str | None = None,
         seq_id: int | None = None,
         index: int = 0,
+        keep_kv: tuple[str, float] | None = None,
     ):
         self.seq_id: int = next(_seq_ids) if seq_id is None else seq_id
         self.request_id = request_id
@@ -88,6 +89,9 @@ class Sequence:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        # (key, seconds): once finished, its KV stays pinned under the key for that long, or
+        # until the next seq with the key takes its prefix (BlockManager.pin)
+        self.keep_kv = keep_kv
         self.status = SequenceStatus.WAITING
         self.max_tokens = max_tokens
         # Block-manager bookkeeping follows below; first the completion's record (the engine's).
@@ -202,6 +206,7 @@ class Sequence:
             cache_salt=self.cache_salt,
             seq_id=seq_id,
             index=index,
+            keep_kv=self.keep_kv,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         return child

@@ -37,6 +37,9 @@ from sluice.schemas.harness import (
 )
 from sluice.schemas.tool_messages import ToolCallMessage, ToolFailure, ToolResultMessage
 
+# A model turn's KV is kept (pinned in the prefix cache) this long at most for the next turn
+KEEP_KV_S = 600.0
+
 
 @dataclass(frozen=True)
 class Topics:
@@ -271,6 +274,8 @@ class Run:
             "event_format": "sluice",
             "reply_topic": self.topics.replies,
             "metadata": {"harness_run": r.run_id, "step": s.step},
+            # the turn's KV kept while its tools run: the next turn extends this conversation
+            "keep_kv": {"key": r.run_id, "seconds": min(r.timeout_s, KEEP_KV_S)},
         }
         if r.seed is not None:
             body["seed"] = r.seed

@@ -261,6 +261,25 @@ RESPONSE_FORMAT_TYPES: tuple[str, ...] = tuple(
 )
 
 
+MAX_KEEP_KV_S = 3600.0
+
+
+class KeepKv(BaseModel):
+    """Keep a request's KV cached for the request that will extend its conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    key: str = Field(
+        min_length=1,
+        max_length=MAX_ID_LENGTH,
+        description="Names the conversation (a harness run's id, say): the next request with "
+        "the same key releases this one's pin once it has taken its prefix.",
+    )
+    seconds: float = Field(
+        gt=0, le=MAX_KEEP_KV_S, allow_inf_nan=False, description="The longest it is kept."
+    )
+
+
 class GenerateRequest(BaseModel):
     """A generation request: a prompt (or chat), sampling parameters and routing hints."""
 
@@ -368,6 +387,13 @@ class GenerateRequest(BaseModel):
         "one call of that function. required and named calls follow the tools' schemas.",
     )
     parallel_tool_calls: bool = Field(True, description="false: at most one call per answer.")
+    keep_kv: KeepKv | None = Field(
+        None,
+        description="Once it ends, keep its KV (prompt and answer) in the prefix cache under "
+        "`key` for up to `seconds`, so that the request that extends the conversation (a "
+        "harness's next turn, after its tools ran) finds it; running requests still take the "
+        "room first when the cache is full.",
+    )
 
     metadata: dict[str, JsonValue] | None = Field(
         None,

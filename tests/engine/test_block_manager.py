@@ -496,3 +496,40 @@ TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
 )
+
+
+# --- pins (keep_kv) -------------------------------------------------------------------------------
+
+
+def finished_with_pin(bm: BlockManager, rid: str, tokens, key: str, until: float = 1e18):
+    seq = make_seq(tokens, rid=rid)
+    seq.keep_kv = (key, 60.0)
+    compute(bm, seq)
+    bm.pin(seq, until)
+    bm.free(seq)
+    return seq
+
+
+def test_pins_hold_at_most_half_the_cache_the_oldest_going_first():
+    bm = BlockManager(num_blocks=21, block_size=4)  # 20 usable
+    finished_with_pin(bm, "a", range(24), "run-a")  # 6 full blocks
+    assert bm.num_pinned_blocks == 6 and bm.num_free_blocks == 14
+    finished_with_pin(bm, "b", range(100, 124), "run-b")  # 12 > 10: run-a's pin goes
+    assert bm.num_pinned_blocks == 6
+    probe = make_seq(range(24))
+    assert bm.num_cached_prefix_tokens(probe) == 20  # still cached, only no longer held
+    assert bm.num_free_blocks == 14
+
+
+def test_a_key_pinned_again_replaces_its_pin_and_its_next_seq_releases_it():
+    bm = BlockManager(num_blocks=41, block_size=4)
+    first = finished_with_pin(bm, "m0", range(24), "run")
+    second = finished_with_pin(bm, "m1", list(range(24)) + [7] * 8, "run")  # extends it
+    assert bm.num_pinned_blocks == 8  # one pin: m1's chain (m0's blocks are its first six)
+    assert first.block_table == [] and second.block_table == []
+    third = make_seq(list(range(24)) + [7] * 8 + [9] * 4, rid="m2")
+    third.keep_kv = ("run", 60.0)
+    bm.allocate(third, 4)  # takes the cached prefix: the pin is no longer needed
+    assert third.num_computed_tokens == 32 and bm.num_pinned_blocks == 0
+    bm.free(third)
+    assert bm.num_free_blocks == bm.num_usable_blocks

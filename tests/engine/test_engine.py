@@ -137,6 +137,35 @@ def test_prefix_cache_reuse_and_tenant_salt(tmp_path):
     assert other_tenant.token_ids == reference.token_ids
 
 
+def test_a_kept_turn_is_found_whole_after_others_filled_the_cache(tmp_path):
+    """keep_kv through the engine: a turn ends, three long requests fill a small cache, and the
+    next turn, extending the first, finds all of its KV (and generates what an uncached engine
+    does); without keep_kv the others' blocks had evicted it."""
+    save_tiny("llama", tmp_path, max_position_embeddings=1024)
+    g = torch.Generator().manual_seed(4)
+    first = torch.randint(3, 101, (40,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    per_block = tiny_engine(tmp_path).model_config.kv_bytes_per_token(4) * 4
+
+    def second_turn(keep) -> tuple[int, list[int]]:
+        engine = tiny_engine(tmp_path, kv_cache_bytes=41 * per_block)
+        engine.add_request(prompt_token_ids=first, params=params, keep_kv=keep)
+        answer: list[int] = []
+        while engine.has_unfinished():
+            answer += [t for o in engine.step() for t in o.new_token_ids]
+        others = [torch.randint(3, 101, (100,), generator=g).tolist() for _ in range(3)]
+        for other in others:
+            engine.generate(prompt_token_ids=[other], params=params)
+        extended = first + answer + [5, 6, 7]
+        out = engine.generate(prompt_token_ids=[extended], params=params)[0]
+        return out.usage.cached_tokens, out.token_ids
+
+    kept, kept_ids = second_turn(("run-1", 60.0))
+    lost, lost_ids = second_turn(None)
+    assert kept == (40 + 8 - 1) // 4 * 4 and lost == 0
+    assert kept_ids == lost_ids
+
+
 def test_preemption_under_a_small_kv_budget_gives_the_same_outputs(tmp_path):
     save_tiny("llama", tmp_path)
     g = torch.Generator().manual_seed(2)

@@ -470,6 +470,76 @@ def test_second_turn_reuses_the_first_turns_kv():
     assert third.num_cached_tokens == (first.num_tokens - 1) // 16 * 16
 
 
+# --- keep_kv: a finished turn's KV pinned for the next one ----------------------------------------
+
+
+def turn(rid, prompt, keep, max_tokens=3):
+    seq = make_seq(rid, prompt, max_tokens=max_tokens)
+    seq.keep_kv = keep
+    return seq
+
+
+def finish_all(eng: FakeEngine) -> None:
+    """FakeEngine.run without its check that every block is free (pins hold some)."""
+    while eng.sched.has_unfinished():
+        eng.step()
+
+
+@pytest.mark.parametrize("keep", [None, ("run-1", 60.0)])
+def test_a_kept_turn_survives_other_requests_filling_the_cache(keep):
+    """A harness's turn ends and its tools run while other requests fill the cache: pinned, its
+    KV is all there for the next turn; unpinned, the least recently freed blocks (its own) were
+    evicted."""
+    s = make_sched(num_blocks=41, block_size=4, budget=64)
+    eng = FakeEngine(s)
+    first = turn("m0", 40, keep)
+    s.add(first)
+    finish_all(eng)
+    for i in range(3):  # others, each needing most of the cache
+        s.add(make_seq(f"other-{i}", 100, max_tokens=2))
+        finish_all(eng)
+    assert s.num_preemptions == 0
+    second = turn("m1", first.token_ids + [7] * 8, keep)
+    s.add(second)
+    eng.step()
+    kept = (first.num_tokens - 1) // 4 * 4  # its full blocks: all but its last token's KV
+    assert second.num_cached_tokens == (kept if keep else 0)
+    if keep:
+        # the next turn took its prefix: the pin is gone, its own takes over when it ends
+        assert s.stats()["num_pinned_kv_blocks"] == 0
+        finish_all(eng)
+        assert s.stats()["num_pinned_kv_blocks"] == (second.num_tokens - 1) // 4
+
+
+def test_pins_give_way_to_running_requests_and_expire():
+    s = make_sched(num_blocks=41, block_size=4, budget=64)
+    bm, eng = s.block_manager, FakeEngine(s)
+    first = turn("m0", 40, ("run-1", 60.0))
+    s.add(first)
+    finish_all(eng)
+    assert bm.num_pinned_blocks == 10 and bm.num_pin_only_blocks == 10
+    big = make_seq("big", 150, max_tokens=2)  # needs 38 of the 40 blocks: the pin must go
+    s.add(big)
+    eng.run()
+    assert big.is_finished and s.num_preemptions == 0 and bm.num_pinned_blocks == 0
+    again = turn("m0b", 40, ("run-2", 60.0))
+    s.add(again)
+    finish_all(eng)
+    assert bm.num_pinned_blocks == 10
+    bm.release_expired_pins(time.monotonic() + 61)
+    assert bm.num_pinned_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_an_aborted_turn_keeps_nothing():
+    s = make_sched(num_blocks=41, block_size=4, budget=64)
+    eng = FakeEngine(s)
+    first = turn("m0", 40, ("run-1", 60.0))
+    s.add(first)
+    eng.step()
+    s.abort("m0")
+    assert s.stats()["num_pinned_kv_blocks"] == 0
+
+
 # --- random workloads -----------------------------------------------------------------------------
 
 

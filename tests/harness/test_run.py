@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from sluice.harness.run import Run, RunState, Topics
+from sluice.schemas import decode_request
 from sluice.schemas.events import FinalEvent
 from sluice.schemas.harness import HarnessFinal, HarnessRequest, HarnessStep
 from sluice.schemas.tool_messages import ToolCallMessage, ToolResultMessage
@@ -83,6 +84,9 @@ def test_a_run_calls_its_tools_then_answers():
     assert (topic, key, body["request_id"]) == ("p.requests", "run-1.m0", "run-1.m0")
     assert body["tool_choice"] == "required" and body["reply_topic"] == "p.replies.harness"
     assert body["stream"] is False and body["tools"][0]["function"]["name"] == "add"
+    # the turn's KV kept for the next turn while its tools run, and the body a valid request
+    assert body["keep_kv"] == {"key": "run-1", "seconds": 600.0}
+    assert decode_request(json.dumps(body)).keep_kv is not None
 
     out = run.on_model_event(turn("run-1.m0", calls=[("add", '{"a": 2, "b": 3}')]), now=101.0)
     (call,) = sent(out, ToolCallMessage)

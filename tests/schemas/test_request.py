@@ -13,6 +13,7 @@ from sluice.schemas import (
     SCHEMA_VERSION,
     GenerateRequest,
     Message,
+    RequestRejected,
     decode_request,
     encode,
     new_request_id,
@@ -148,3 +149,19 @@ def test_metadata_at_the_size_limit_is_accepted():
     assert GenerateRequest(prompt="x", metadata=ok).metadata == ok
     with pytest.raises(ValidationError):
         GenerateRequest(prompt="x", metadata={"k": "x" * (16 * 1024 - 7)})
+
+
+def test_keep_kv_names_a_key_and_at_most_an_hour():
+    req = decode_request(b'{"prompt": "x", "keep_kv": {"key": "run-1", "seconds": 90}}')
+    assert req.keep_kv is not None and (req.keep_kv.key, req.keep_kv.seconds) == ("run-1", 90)
+    assert decode_request(b'{"prompt": "x"}').keep_kv is None
+    for bad, field in [
+        ({"key": "run-1", "seconds": 0}, "keep_kv.seconds"),
+        ({"key": "run-1", "seconds": 3601}, "keep_kv.seconds"),
+        ({"key": "", "seconds": 5}, "keep_kv.key"),
+        ({"seconds": 5}, "keep_kv.key"),
+        ({"key": "run-1", "seconds": 5, "pin": True}, "keep_kv.pin"),
+    ]:
+        with pytest.raises(RequestRejected) as info:
+            decode_request(json.dumps({"prompt": "x", "keep_kv": bad}))
+        assert info.value.event.field == field, (bad, info.value.event)
