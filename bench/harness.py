@@ -89,7 +89,8 @@ class Services:
 
     def __init__(self, model: str | None, prefix: str, logs: Path, tool_workers: int):
         kafka = ["--topic-prefix", prefix]
-        run = ["run", "--no-sessions", *kafka] + (["--model", model] if model else [])
+        run = ["run", "--no-sessions", "--group", prefix, *kafka]  # (a group of its own)
+        run += ["--model", model] if model else []
         self.started: list[subprocess.Popen] = []
         self.logs = logs
         self._start("pipeline", " up: reading ", run)
