@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from aiokafka.errors import InvalidSessionTimeoutError
+
 from sluice.actors.answered import AnsweredInputs
 from sluice.actors.failover import RunnerFailover
 from sluice.actors.health import OpsServer
@@ -756,6 +758,13 @@ async def run_pipeline(config: PipelineConfig, role: str | None = None) -> int:
     except MembershipLost as exc:
         log.critical("%s; exiting", exc)
         return 1
+    except InvalidSessionTimeoutError:
+        log.critical(
+            "the broker refused --session-timeout-ms %d (outside its group.min.session.timeout.ms "
+            "and group.max.session.timeout.ms, 6000 and 1800000 unless configured otherwise)",
+            config.session_timeout_ms,
+        )
+        return 2
     if pipeline.system.failure is not None:  # an actor failed while shutting down
         log.critical("%s during shutdown; exiting", pipeline.system.failure)
         return 1

@@ -98,3 +98,16 @@ async def test_readiness_while_starting_and_latency_from_publish(bootstrap_serve
     assert value(samples, "sluice_time_in_topic_seconds_count") == 1
     assert value(samples, "sluice_time_in_topic_seconds_sum") == pytest.approx(waited)
     assert value(samples, "sluice_time_to_first_token_seconds_sum") >= waited
+
+
+def test_a_session_timeout_the_broker_refuses_is_named_in_one_line(bootstrap_servers, tmp_path):
+    pipeline = PipelineProcess(
+        bootstrap_servers, None, new_prefix(), tmp_path, "--session-timeout-ms", "1000"
+    )
+    try:
+        code = pipeline.proc.wait(180)
+    finally:
+        pipeline.kill()
+    assert code == 2, pipeline.tail()
+    assert "the broker refused --session-timeout-ms 1000" in pipeline.text()
+    assert "Traceback" not in pipeline.text()
