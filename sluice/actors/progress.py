@@ -115,7 +115,12 @@ class Progress(BaseModel):
 
 # Request fields added after records were first written, and their unset values: left out of the
 # digest while unset, so that a request recorded by an earlier version resumes after an upgrade.
-_LATER_FIELDS: dict[str, object] = {"tools": None, "tool_choice": None, "parallel_tool_calls": True}
+_LATER_FIELDS: dict[str, object] = {
+    "tools": None,
+    "tool_choice": None,
+    "parallel_tool_calls": True,
+    "keep_kv": None,
+}
 _LATER_MESSAGE_FIELDS = {"tool_calls": True, "tool_call_id": True}
 
 
