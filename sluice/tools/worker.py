@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from functools import partial
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
@@ -151,15 +152,9 @@ class ToolWorker:
             result = await self._answer(call, started_before=state is not None)
             await self._keep(call.key, {"answer": result.model_dump()})
         topic = call.reply_topic or results_topic(self.prefix)
-        producer = self._producer
-
-        async def send() -> None:
-            await (
-                await producer.send(
-                    topic, key=call.request_id, value=result.model_dump_json().encode()
-                )
-            )
-
+        send = partial(
+            self._producer.send_and_wait, topic, call.request_id, result.model_dump_json().encode()
+        )
         try:
             if topic == results_topic(self.prefix):  # made by this worker: faults pass
                 await retrying(send, f"answering call {call.key}")
